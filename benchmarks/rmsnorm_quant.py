@@ -1,0 +1,131 @@
+"""H200 benchmark: fused add + RMSNorm + per-group FP8 quant, Pallas vs the XLA path.
+
+Bytes each call must move (B = bytes per input element, 2 for bf16, G = 128):
+  main case (with residual):  T*H*B (x) + T*H*B (residual in) + H*B (weight)
+                              + T*H*B (residual out) + T*H (fp8 codes) + T*ceil(H/G)*4 (scales)
+  MLA pair (no residual):     T*H*B + H*B + T*H + T*ceil(H/G)*4       (q_a_layernorm, quantised)
+                              + T*H2*B + H2*B + T*H2*B                (kv_a_layernorm, bf16)
+Roofline = those bytes / the device copy bandwidth measured in the same run.
+
+Run: python benchmarks/rmsnorm_quant.py [--sweep] [--out DIR] [--commit SHA]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _harness  # noqa: E402
+from jfusedq import rmsnorm_quant  # noqa: E402
+from jfusedq.ops.group_quant import Config  # noqa: E402
+from jfusedq.testing import quant_mismatch  # noqa: E402
+
+G = 128
+TS = (1, 16, 64, 256, 1024, 4096, 16384)
+
+
+def case_bytes(t, h, h2=0, residual=True):
+  groups = -(-h // G)
+  b = t * h * 2 * (3 if residual else 1) + h * 2 + t * h + t * groups * 4
+  if h2:
+    b += 2 * t * h2 * 2 + h2 * 2
+  return b
+
+
+def make_inputs(t, h, h2, residual, seed):
+  def make(n):
+    keys = jax.random.split(jax.random.key(seed), 4 * n + 2)
+    w = jax.random.normal(keys[-1], (h,), jnp.bfloat16)
+    w2 = jax.random.normal(keys[-2], (h2,), jnp.bfloat16) if h2 else None
+    sets = []
+    for i in range(n):
+      x = jax.random.normal(keys[4 * i], (t, h), jnp.bfloat16)
+      r = jax.random.normal(keys[4 * i + 1], (t, h), jnp.bfloat16) if residual else None
+      x2 = jax.random.normal(keys[4 * i + 2], (t, h2), jnp.bfloat16) if h2 else None
+      sets.append((x, r, w, x2, w2))
+    return sets
+  return make
+
+
+def op_for(impl, config=None):
+  def op(x, r, w, x2, w2):
+    out = rmsnorm_quant(x, w, residual=r, x2=x2, weight2=w2, implementation=impl, config=config)
+    return out.quant.q, out.quant.scale, out.residual, out.norm2
+  return op
+
+
+def check(make, config=None):
+  """Pallas vs XLA on one input set: the same tolerances as the test suite."""
+  x, r, w, x2, w2 = make(1)[0]
+  kw = dict(residual=r, x2=x2, weight2=w2)
+  a = rmsnorm_quant(x, w, implementation="pallas", config=config, **kw)
+  b = rmsnorm_quant(x, w, implementation="xla", **kw)
+  why = quant_mismatch(a.quant, b.quant, max_code_frac=1e-3, scale_rtol=1e-6)
+  if why is None and r is not None and not bool(jnp.array_equal(a.residual, b.residual)):
+    why = "residual_out differs"
+  if why is None and x2 is not None:
+    err = float(jnp.max(jnp.abs(a.norm2.astype(jnp.float32) - b.norm2.astype(jnp.float32))
+                        / (jnp.abs(b.norm2.astype(jnp.float32)) + 1e-3)))
+    why = None if err <= 2**-7 else f"norm2 relative error {err:.3g}"
+  if why:
+    print("  CHECK FAILED:", why)
+  return why is None
+
+
+def chain_len(t, h):
+  return 10 if t * h >= 4096 * 4096 else 50 if t * h >= 256 * 4096 else 200
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--sweep", action="store_true", help="also time every tiling at T >= 4096")
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  ap.add_argument("--commit", default="unknown")
+  args = ap.parse_args()
+
+  bw = _harness.copy_tbps()
+  print(f"device {jax.devices()[0].device_kind}; measured copy bandwidth {bw:.2f} TB/s")
+  print("bytes = T*H*2*(3 if residual else 1) + H*2 + T*H + T*ceil(H/128)*4"
+        " [+ 2*T*H2*2 + H2*2 for the MLA pair]")
+  cases = [dict(T=t, H=h) for h in (4096, 7168) for t in TS]
+  cases += [dict(T=t, H=1536, H2=512) for t in TS]
+  rows = []
+  print(f"{'case':>28} {'impl':>22} {'us':>9} {'TB/s':>6} {'roof':>5} {'vs_xla':>6} ok")
+  for n_case, case in enumerate(cases):
+    t, h, h2 = case["T"], case["H"], case.get("H2", 0)
+    residual = not h2
+    nbytes = case_bytes(t, h, h2, residual)
+    make = make_inputs(t, h, h2, residual, seed=n_case)
+    n = chain_len(t, h)
+    xla_s = _harness.per_call_seconds(op_for("xla"), make, n)
+    configs = [("pallas", None)]
+    if args.sweep and t >= 4096:
+      configs += [(f"pallas(br={br},nw={nw})", Config(br, nw))
+                  for br in (1, 2, 4, 8) for nw in (4, 8, 16) if br * (h + h2) <= 65536]
+    for impl, config in [("xla", None)] + configs:
+      if impl == "xla":
+        sec, ok = xla_s, True
+      else:
+        ok = check(make, config)
+        sec = _harness.per_call_seconds(op_for("pallas", config), make, n)
+      tbps = nbytes / sec / 1e12
+      row = dict(case=dict(case, residual=residual), impl=impl, time_us=round(sec * 1e6, 3),
+                 tbps=round(tbps, 3), tflops=None, roofline_frac=round(tbps / bw, 3),
+                 vs_xla=round(xla_s / sec, 3), correct=ok, bytes=nbytes)
+      rows.append(row)
+      print(f"{str(case):>28} {impl:>22} {sec * 1e6:9.2f} {tbps:6.2f} {tbps / bw:5.2f} "
+            f"{xla_s / sec:6.2f} {'yes' if ok else 'NO'}", flush=True)
+  path = _harness.write_results("rmsnorm_quant", rows, {"copy_tbps": round(bw, 3)}, args.commit,
+                                args.out)
+  print("wrote", path)
+
+
+if __name__ == "__main__":
+  main()

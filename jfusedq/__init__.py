@@ -1,0 +1,18 @@
+"""jfusedq: fused RMSNorm + per-group FP8 quantisation (and friends) for FP8 LLM inference."""
+
+from jfusedq.fp8 import Fp8Format, QuantizedActivation, default_format
+from jfusedq.ops._dispatch import Unsupported
+from jfusedq.ops.group_quant import group_quant
+from jfusedq.ops.rmsnorm_quant import RmsNormQuantOutput, rmsnorm_quant
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Fp8Format",
+    "QuantizedActivation",
+    "RmsNormQuantOutput",
+    "Unsupported",
+    "default_format",
+    "group_quant",
+    "rmsnorm_quant",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from jfusedq.cli import main
+
+sys.exit(main())

@@ -1,0 +1,27 @@
+"""Argument checks shared by the quantising ops."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+FLOAT_INPUTS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def check_float(name: str, x) -> None:
+  if jnp.dtype(x.dtype) not in FLOAT_INPUTS:
+    raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
+
+
+def check_group_size(group_size) -> None:
+  # Kernels tile rows in power-of-two arrays, so a group must be one to divide the tile.
+  if not isinstance(group_size, int) or group_size < 8 or group_size & (group_size - 1):
+    raise ValueError(f"group_size must be a power of two >= 8 (64 and 128 are used), got {group_size!r}")
+
+
+def check_layout(layout) -> None:
+  if layout not in ("row", "col"):
+    raise ValueError(f"scale layout must be 'row' or 'col', got {layout!r}")
+
+
+def num_groups(k: int, group_size: int) -> int:
+  return -(-k // group_size)

@@ -1,0 +1,58 @@
+"""Public entry point of the standalone 1 x G FP8 quantisation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import math
+
+import jax
+
+from jfusedq.fp8 import Fp8Format, QuantizedActivation, resolve_format
+from jfusedq.ops import _common
+from jfusedq.ops._dispatch import dispatch
+from jfusedq.ops.group_quant import pallas, reference
+
+
+def group_quant(x: jax.Array, *, group_size: int = 128, fmt: Fp8Format | str | None = None,
+                layout: str = "row", ue8m0: bool = False,
+                implementation: str | Sequence[str] | None = None,
+                config: pallas.Config | None = None) -> QuantizedActivation:
+  """Quantise `x [..., K]` to FP8 in groups of `group_size` consecutive columns.
+
+  Steps, per row and group: amax = max(max|x|, 1e-10); scale = amax / fp8_max (UE8M0: next
+  power of two); q = fp8(clamp(x / scale, +-fp8_max)).
+
+  Args:
+    x: `[..., K]` bf16, f16 or f32; any K (a last partial group uses its real columns).
+    group_size: columns per scale (power of two; 128 for DeepSeek-style GEMMs).
+    fmt: FP8 format; default: the current device's native one.
+    layout: "row" -> scale `[..., G]`; "col" -> scale `[G, ...]` (G = ceil(K/group_size)).
+    ue8m0: round scales up to powers of two.
+    implementation: "pallas", "xla", a sequence tried in order, or None (best available).
+    config: Pallas tiling; default from `pallas.heuristics`.
+  Returns:
+    QuantizedActivation(q [..., K] fp8, scale f32), recording group_size and layout.
+  """
+  _common.check_float("x", x)
+  _common.check_group_size(group_size)
+  _common.check_layout(layout)
+  if x.ndim < 1:
+    raise ValueError("x must have at least one dimension (the quantised axis)")
+  fmt = resolve_format(fmt)
+
+  def xla():
+    return reference.group_quant(x, fmt, group_size=group_size, layout=layout, ue8m0=ue8m0)
+
+  def run_pallas():
+    *lead, k = x.shape
+    rows = math.prod(lead)
+    if rows == 0:
+      return xla()
+    q, scale = pallas.group_quant(x.reshape(rows, k), fmt, group_size=group_size, layout=layout,
+                                  ue8m0=ue8m0, config=config)
+    groups = scale.shape[1] if layout == "row" else scale.shape[0]
+    scale = scale.reshape(*lead, groups) if layout == "row" else scale.reshape(groups, *lead)
+    return QuantizedActivation(q.reshape(x.shape), scale, group_size=group_size, layout=layout)
+
+  return dispatch("group_quant", {"pallas": run_pallas, "xla": xla}, implementation)

@@ -1,0 +1,38 @@
+"""Per-group (1 x G) FP8 quantisation in plain jnp, float32 throughout (DESIGN.md 3.1)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jfusedq.fp8 import Fp8Format, QuantizedActivation
+
+
+def pow2_ceil(s: jax.Array) -> jax.Array:
+  """Smallest power of two >= s (UE8M0 scales); exact, unlike exp2(ceil(log2(s)))."""
+  m, e = jnp.frexp(s)  # s = m * 2**e, m in [0.5, 1)
+  return jnp.where(m == 0.5, s, jnp.ldexp(jnp.ones_like(s), e))
+
+
+def group_quant(y: jax.Array, fmt: Fp8Format, *, group_size: int = 128, layout: str = "row",
+                ue8m0: bool = False, hp: jax.Array | None = None) -> QuantizedActivation:
+  """Quantise `y [..., K]` in groups of `group_size` consecutive columns.
+
+  For each group: `amax = max(max|y|, 1e-10)`, `scale = amax / fp8_max` (rounded up to a power
+  of two if `ue8m0`), `q = fp8(clamp(y * (1/scale), -fp8_max, fp8_max))`. A last partial group
+  covers its real columns only.
+  """
+  y = y.astype(jnp.float32)
+  *lead, k = y.shape
+  groups = -(-k // group_size)
+  pad = groups * group_size - k
+  yg = jnp.pad(y, [(0, 0)] * len(lead) + [(0, pad)]).reshape(*lead, groups, group_size)
+  amax = jnp.maximum(jnp.max(jnp.abs(yg), axis=-1), 1e-10)
+  scale = amax / fmt.max
+  if ue8m0:
+    scale = pow2_ceil(scale)
+  q = jnp.clip(yg * (1.0 / scale)[..., None], -fmt.max, fmt.max)
+  q = q.reshape(*lead, groups * group_size)[..., :k].astype(fmt.dtype)
+  if layout == "col":
+    scale = jnp.moveaxis(scale, -1, 0)
+  return QuantizedActivation(q, scale, hp, group_size=group_size, layout=layout)

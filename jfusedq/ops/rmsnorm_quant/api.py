@@ -1,0 +1,100 @@
+"""Public entry point of fused (add +) RMSNorm + per-group FP8 quantisation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jfusedq.fp8 import Fp8Format, QuantizedActivation, resolve_format
+from jfusedq.ops import _common
+from jfusedq.ops._dispatch import dispatch
+from jfusedq.ops.group_quant import pallas as gq_pallas
+from jfusedq.ops.rmsnorm_quant import pallas, reference
+from jfusedq.ops.rmsnorm_quant.reference import RmsNormQuantOutput
+
+
+def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None = None,
+                  eps: float = 1e-6, weight_offset: float = 0.0, group_size: int = 128,
+                  fmt: Fp8Format | str | None = None, layout: str = "row", ue8m0: bool = False,
+                  keep_hp: bool = False, x2: jax.Array | None = None,
+                  weight2: jax.Array | None = None, eps2: float | None = None,
+                  implementation: str | Sequence[str] | None = None,
+                  config: gq_pallas.Config | None = None) -> RmsNormQuantOutput:
+  """(Residual add +) RMSNorm + per-group FP8 quantisation in one pass over the row.
+
+  Steps, per row of `x [..., H]`:
+    1. h = x + residual in f32, residual_out = h rounded to x.dtype; the norm reads residual_out.
+    2. y = h * rsqrt(mean(h^2) + eps) * (weight + weight_offset), in f32.
+    3. QuantizedActivation of y in 1 x group_size groups (see `group_quant`), plus hp = y in
+       x.dtype when `keep_hp`.
+    4. If `x2 [..., H2]` is given: norm2 = rmsnorm(x2, weight2, eps2) in x2.dtype, unquantised
+       (DeepSeek MLA: q_a_layernorm quantised + kv_a_layernorm bf16 in one launch).
+
+  Args:
+    x: `[..., H]` bf16/f16/f32, any H.
+    weight: `[H]`.
+    residual: optional `[..., H]`, same dtype as x.
+    weight_offset: 0 for `y * w` (DeepSeek), 1 for `y * (1 + w)` (Qwen3.5 zero-centred norms).
+    group_size, fmt, layout, ue8m0: as for `group_quant`.
+    keep_hp: also return the normalised activation in x.dtype (`quant.hp`).
+    x2, weight2, eps2: the optional second, norm-only input (eps2 defaults to eps).
+    implementation: "pallas", "xla", a sequence tried in order, or None (best available).
+    config: Pallas tiling; default from the heuristics.
+  Returns:
+    RmsNormQuantOutput(quant, residual, norm2); residual / norm2 are None when not asked for.
+  """
+  fmt = resolve_format(fmt)
+  _check(x, weight, residual, group_size, layout, x2, weight2)
+  eps2 = eps if eps2 is None else eps2
+  kw = dict(residual=residual, eps=float(eps), weight_offset=float(weight_offset), fmt=fmt,
+            group_size=group_size, layout=layout, ue8m0=ue8m0, keep_hp=keep_hp, x2=x2,
+            weight2=weight2, eps2=float(eps2))
+
+  def xla():
+    return reference.rmsnorm_quant(x, weight, **kw)
+
+  def run_pallas():
+    *lead, h = x.shape
+    rows = math.prod(lead)
+    if rows == 0:
+      return xla()
+    flat = lambda a: None if a is None else a.reshape(rows, a.shape[-1])
+    q, scale, res_out, hp, norm2 = pallas.rmsnorm_quant(
+        flat(x), weight, **{**kw, "residual": flat(residual), "x2": flat(x2)}, config=config)
+    groups = scale.shape[1] if layout == "row" else scale.shape[0]
+    scale = scale.reshape(*lead, groups) if layout == "row" else scale.reshape(groups, *lead)
+    unflat = lambda a, like: None if a is None else a.reshape(like.shape)
+    quant = QuantizedActivation(q.reshape(x.shape), scale, unflat(hp, x), group_size=group_size,
+                                layout=layout)
+    return RmsNormQuantOutput(quant, unflat(res_out, x), unflat(norm2, x2))
+
+  return dispatch("rmsnorm_quant", {"pallas": run_pallas, "xla": xla}, implementation)
+
+
+def _check(x, weight, residual, group_size, layout, x2, weight2) -> None:
+  _common.check_float("x", x)
+  _common.check_group_size(group_size)
+  _common.check_layout(layout)
+  if x.ndim < 1:
+    raise ValueError("x must have at least one dimension (the hidden axis)")
+  if weight.shape != x.shape[-1:]:
+    raise ValueError(f"weight shape {weight.shape} does not match x's hidden size {x.shape[-1]}")
+  _common.check_float("weight", weight)
+  if residual is not None:
+    if residual.shape != x.shape:
+      raise ValueError(f"residual shape {residual.shape} differs from x shape {x.shape}")
+    if residual.dtype != x.dtype:
+      raise TypeError(f"residual dtype {residual.dtype} differs from x dtype {x.dtype}")
+  if (x2 is None) != (weight2 is None):
+    raise ValueError("x2 and weight2 must be given together")
+  if x2 is not None:
+    _common.check_float("x2", x2)
+    _common.check_float("weight2", weight2)
+    if x2.shape[:-1] != x.shape[:-1]:
+      raise ValueError(f"x2 leading shape {x2.shape[:-1]} differs from x's {x.shape[:-1]}")
+    if weight2.shape != x2.shape[-1:]:
+      raise ValueError(f"weight2 shape {weight2.shape} does not match x2's hidden size "
+                       f"{x2.shape[-1]}")

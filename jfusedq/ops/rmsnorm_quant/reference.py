@@ -1,0 +1,44 @@
+"""Fused add + RMSNorm + per-group FP8 quant in plain jnp, float32 math (DESIGN.md 3.2)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jfusedq.fp8 import Fp8Format, QuantizedActivation
+from jfusedq.ops.group_quant import reference as group_quant_ref
+
+
+class RmsNormQuantOutput(NamedTuple):
+  quant: QuantizedActivation  # fp8 codes + scales of the normalised x (+ hp copy if asked)
+  residual: jax.Array | None  # x + residual rounded to x.dtype, when a residual was given
+  norm2: jax.Array | None  # rmsnorm(x2) in x2.dtype, when a second input was given
+
+
+def rmsnorm(h: jax.Array, weight: jax.Array, eps: float, weight_offset: float) -> jax.Array:
+  """`h * rsqrt(mean(h^2) + eps) * (weight + weight_offset)`, in f32."""
+  h = h.astype(jnp.float32)
+  inv = jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+  return h * inv * (weight.astype(jnp.float32) + weight_offset)
+
+
+def rmsnorm_quant(x, weight, *, residual=None, eps: float, weight_offset: float, fmt: Fp8Format,
+                  group_size: int, layout: str, ue8m0: bool, keep_hp: bool, x2=None,
+                  weight2=None, eps2: float | None = None) -> RmsNormQuantOutput:
+  residual_out = None
+  h = x
+  if residual is not None:
+    # The sum is rounded to the residual stream's dtype before the norm reads it, so the fused
+    # op equals the unfused `r = x + residual; rmsnorm(r)` (DESIGN.md 3.2 step 1).
+    residual_out = (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(x.dtype)
+    h = residual_out
+  y = rmsnorm(h, weight, eps, weight_offset)
+  hp = y.astype(x.dtype) if keep_hp else None
+  quant = group_quant_ref.group_quant(y, fmt, group_size=group_size, layout=layout, ue8m0=ue8m0,
+                                      hp=hp)
+  norm2 = None
+  if x2 is not None:
+    norm2 = rmsnorm(x2, weight2, eps2, weight_offset).astype(x2.dtype)
+  return RmsNormQuantOutput(quant, residual_out, norm2)
