@@ -79,13 +79,14 @@ def check(make, config=None):
   return why is None
 
 
-def chain_len(t, h):
-  return 10 if t * h >= 4096 * 4096 else 50 if t * h >= 256 * 4096 else 200
+def chain_len(nbytes):
+  """Calls per timed jit: enough for ~3 ms of work at ~3 TB/s, 10 to 50."""
+  return int(min(50, max(10, 3e-3 * 3e12 / nbytes)))
 
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--sweep", action="store_true", help="also time every tiling at T >= 4096")
+  ap.add_argument("--sweep", action="store_true", help="also time other tilings at T = 16384")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--commit", default="unknown")
   args = ap.parse_args()
@@ -93,37 +94,41 @@ def main():
   bw = _harness.copy_tbps()
   print(f"device {jax.devices()[0].device_kind}; measured copy bandwidth {bw:.2f} TB/s")
   print("bytes = T*H*2*(3 if residual else 1) + H*2 + T*H + T*ceil(H/128)*4"
-        " [+ 2*T*H2*2 + H2*2 for the MLA pair]")
+        " [+ 2*T*H2*2 + H2*2 for the MLA pair]; time = profiler kernel time per call;"
+        " chain = wall-clock slope per call inside one jit (launch gaps included)")
   cases = [dict(T=t, H=h) for h in (4096, 7168) for t in TS]
   cases += [dict(T=t, H=1536, H2=512) for t in TS]
   rows = []
-  print(f"{'case':>28} {'impl':>22} {'us':>9} {'TB/s':>6} {'roof':>5} {'vs_xla':>6} ok")
+  print(f"{'case':>32} {'impl':>18} {'us':>8} {'chain':>8} {'kern':>4} {'TB/s':>5} {'roof':>5}"
+        f" {'vs_xla':>6} ok")
   for n_case, case in enumerate(cases):
     t, h, h2 = case["T"], case["H"], case.get("H2", 0)
     residual = not h2
     nbytes = case_bytes(t, h, h2, residual)
     make = make_inputs(t, h, h2, residual, seed=n_case)
-    n = chain_len(t, h)
-    xla_s = _harness.per_call_seconds(op_for("xla"), make, n)
-    configs = [("pallas", None)]
-    if args.sweep and t >= 4096:
+    n = chain_len(nbytes)
+    configs = [("xla", None), ("pallas", None)]
+    if args.sweep and t == 16384:
       configs += [(f"pallas(br={br},nw={nw})", Config(br, nw))
-                  for br in (1, 2, 4, 8) for nw in (4, 8, 16) if br * (h + h2) <= 65536]
-    for impl, config in [("xla", None)] + configs:
-      if impl == "xla":
-        sec, ok = xla_s, True
-      else:
-        ok = check(make, config)
-        sec = _harness.per_call_seconds(op_for("pallas", config), make, n)
+                  for br in (1, 2) for nw in (4, 8, 16)]
+    xla = None
+    for impl, config in configs:
+      ok = True if impl == "xla" else check(make, config)
+      m = _harness.measure(op_for(impl.split("(")[0], config), make, n)
+      sec = m["kernel_s"] or m["chain_s"]
+      xla = xla or sec
       tbps = nbytes / sec / 1e12
-      row = dict(case=dict(case, residual=residual), impl=impl, time_us=round(sec * 1e6, 3),
-                 tbps=round(tbps, 3), tflops=None, roofline_frac=round(tbps / bw, 3),
-                 vs_xla=round(xla_s / sec, 3), correct=ok, bytes=nbytes)
-      rows.append(row)
-      print(f"{str(case):>28} {impl:>22} {sec * 1e6:9.2f} {tbps:6.2f} {tbps / bw:5.2f} "
-            f"{xla_s / sec:6.2f} {'yes' if ok else 'NO'}", flush=True)
-  path = _harness.write_results("rmsnorm_quant", rows, {"copy_tbps": round(bw, 3)}, args.commit,
-                                args.out)
+      rows.append(dict(case=dict(case, residual=residual), impl=impl, time_us=round(sec * 1e6, 3),
+                       tbps=round(tbps, 3), tflops=None, roofline_frac=round(tbps / bw, 3),
+                       vs_xla=round(xla / sec, 3), correct=ok, bytes=nbytes,
+                       chain_us=round(m["chain_s"] * 1e6, 3),
+                       kernels_per_call=m["kernels_per_call"]))
+      print(f"{str(case):>32} {impl:>18} {sec * 1e6:8.2f} {m['chain_s'] * 1e6:8.2f} "
+            f"{m['kernels_per_call'] or 0:4.1f} {tbps:5.2f} {tbps / bw:5.2f} {xla / sec:6.2f} "
+            f"{'yes' if ok else 'NO'}", flush=True)
+      # Rewritten after every row so that a run cut short still leaves its measurements.
+      path = _harness.write_results("rmsnorm_quant", rows, {"copy_tbps": round(bw, 3)},
+                                    args.commit, args.out)
   print("wrote", path)
 
 

@@ -1,13 +1,16 @@
-"""Pallas kernel for 1 x G FP8 quantisation, and the tile routine the fused kernels share.
+"""Pallas kernel for 1 x G FP8 quantisation, and the chunk routines the fused kernels share.
 
-Layout: each program owns `block_rows` rows and the whole row, padded to a power of two
-(Pallas-Triton only builds power-of-two arrays); the pad is masked on load and store, so a
-hidden size such as 7168 runs as an 8192-wide tile with the last 1024 columns inert.
+Layout: each program owns `block_rows` whole rows. Pallas-Triton builds only power-of-two
+arrays and does not mask blocks that overhang the array (an overhanging store lands in the
+next row), so a row of width K is handled as K / C chunks of C columns, C the largest power of
+two dividing K (7168 = 7 x 1024, 2112 = 33 x 64), each chunk loaded, kept in registers and
+stored exactly; and `block_rows` always divides the number of rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +22,9 @@ from jfusedq import _target
 from jfusedq.fp8 import E4M3FNUZ, Fp8Format, encode_e4m3fnuz
 from jfusedq.ops._dispatch import Unsupported
 
-# Past this many f32 per row a program's tile no longer fits in registers without spilling;
-# such rows are left to XLA (the models' widest norm is 8192).
-MAX_WIDTH = 16384
+MAX_CHUNKS = 64  # unrolled chunks per row; more means an odd width, left to XLA
+MAX_WIDTH = 16384  # f32 values per row kept in registers without spilling
+TILE = 8192  # target elements per program (rows x width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,19 +41,35 @@ class Config:
         raise ValueError(f"Config.{name} must be a positive power of two, got {v!r}")
 
 
-def padded_width(k: int, group_size: int) -> int:
-  return max(pl.next_power_of_2(k), group_size)
+def _pow2_floor(n: int) -> int:
+  return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _pow2_divisor(n: int) -> int:
+  return n & -n if n else 1
+
+
+def chunk_width(k: int) -> int:
+  """Columns per chunk for a row of width k; raises Unsupported if the row cannot be tiled."""
+  if k > MAX_WIDTH:
+    raise Unsupported(f"row width {k} > {MAX_WIDTH}")
+  c = _pow2_divisor(k)
+  if k // c > MAX_CHUNKS:
+    raise Unsupported(f"row width {k} splits into {k // c} power-of-two chunks (> {MAX_CHUNKS})")
+  return c
 
 
 def heuristics(rows: int, width: int) -> Config:
-  """Rows per program so a tile holds ~16K elements; warps so each thread keeps <= 64."""
-  if width > MAX_WIDTH:
-    raise Unsupported(f"padded row width {width} > {MAX_WIDTH}")
-  fit = 1 << max(0, (16384 // width).bit_length() - 1)  # largest power of two <= 16384/width
-  block_rows = min(pl.next_power_of_2(max(rows, 1)), fit)
-  tile = block_rows * width
-  num_warps = 4 if tile <= 2048 else 8 if tile <= 8192 else 16
+  """~TILE elements per program, rows dividing `rows`, ~16 elements per thread."""
+  block_rows = min(_pow2_floor(TILE // max(width, 1)), _pow2_divisor(rows))
+  num_warps = min(16, max(4, _pow2_floor(block_rows * width // 512)))
   return Config(block_rows, num_warps)
+
+
+def check_config(config: Config, rows: int) -> None:
+  if rows % config.block_rows:
+    raise ValueError(f"Config.block_rows={config.block_rows} must divide the {rows} rows "
+                     "(Pallas-Triton does not mask a partial block)")
 
 
 def interpret() -> bool:
@@ -70,6 +89,20 @@ def to_fp8(q: jax.Array, fmt: Fp8Format) -> jax.Array:
   return lax.bitcast_convert_type(q, fmt.dtype) if q.dtype != fmt.dtype else q
 
 
+def load_chunks(ref, k: int) -> list[jax.Array]:
+  """A `[rows, k]` (or `[k]`) block as f32 chunks of `chunk_width(k)` columns."""
+  c = chunk_width(k)
+  if len(ref.shape) == 1:
+    return [ref[pl.ds(j * c, c)].astype(jnp.float32) for j in range(k // c)]
+  return [ref[:, pl.ds(j * c, c)].astype(jnp.float32) for j in range(k // c)]
+
+
+def store_chunks(ref, chunks: list[jax.Array]) -> None:
+  c = chunks[0].shape[-1]
+  for j, v in enumerate(chunks):
+    ref[:, pl.ds(j * c, c)] = v.astype(ref.dtype)
+
+
 def pow2_ceil_bits(s: jax.Array) -> jax.Array:
   """Smallest power of two >= s for positive normal f32, by clearing the mantissa."""
   bits = lax.bitcast_convert_type(s, jnp.int32)
@@ -77,66 +110,86 @@ def pow2_ceil_bits(s: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(up, jnp.float32)
 
 
-def quantize_tile(y: jax.Array, fmt: Fp8Format, group_size: int, ue8m0: bool):
-  """`y [rows, width]` f32 with zeroed padding -> (codes [rows, width], scale [rows, width/G])."""
-  rows, width = y.shape
-  g = y.reshape(rows, width // group_size, group_size)
-  amax = jnp.maximum(jnp.max(jnp.abs(g), axis=-1), 1e-10)
-  scale = amax / fmt.max
-  if ue8m0:
-    scale = pow2_ceil_bits(scale)
-  q = jnp.clip(g * (1.0 / scale)[:, :, None], -fmt.max, fmt.max).reshape(rows, width)
-  q = encode_e4m3fnuz(q) if fmt.dtype == E4M3FNUZ else q.astype(fmt.dtype)
-  return q, scale
+def _scale(amax, fmt: Fp8Format, ue8m0: bool):
+  scale = jnp.maximum(amax, 1e-10) / fmt.max
+  return pow2_ceil_bits(scale) if ue8m0 else scale
 
 
-def store_scale(s_ref, scale: jax.Array, layout: str) -> None:
-  s_ref[...] = scale if layout == "row" else scale.T
+def _encode(y, scale, fmt: Fp8Format):
+  q = jnp.clip(y * (1.0 / scale), -fmt.max, fmt.max)
+  return encode_e4m3fnuz(q) if fmt.dtype == E4M3FNUZ else q.astype(fmt.dtype)
+
+
+def quantize_chunks(ys: list[jax.Array], fmt: Fp8Format, group_size: int, ue8m0: bool):
+  """f32 chunks `[rows, C]` of one row block -> (code chunks, [(first group, scales [rows, n])]).
+
+  A chunk wider than a group holds C/G whole groups; a narrower one is part of a group whose
+  amax is taken over all its chunks (the last group may be short: its real columns only).
+  """
+  rows, c = ys[0].shape
+  codes, scales = [], []
+  if c >= group_size:
+    per = c // group_size
+    for j, y in enumerate(ys):
+      g = y.reshape(rows, per, group_size)
+      s = _scale(jnp.max(jnp.abs(g), axis=-1), fmt, ue8m0)
+      codes.append(_encode(g, s[:, :, None], fmt).reshape(rows, c))
+      scales.append((j * per, s))
+  else:
+    span = group_size // c
+    for first in range(0, len(ys), span):
+      members = ys[first:first + span]
+      amax = functools.reduce(jnp.maximum,
+                              [jnp.max(jnp.abs(y), axis=1, keepdims=True) for y in members])
+      s = _scale(amax, fmt, ue8m0)
+      codes += [_encode(y, s, fmt) for y in members]
+      scales.append((first // span, s))
+  return codes, scales
+
+
+def store_scales(s_ref, scales, layout: str) -> None:
+  for first, s in scales:
+    n = s.shape[1]
+    if layout == "row":
+      s_ref[:, pl.ds(first, n)] = s
+    else:
+      s_ref[pl.ds(first, n), :] = s.T
 
 
 def quant_out_specs(rows: int, k: int, fmt: Fp8Format, group_size: int, layout: str,
-                    config: Config):
+                    block_rows: int):
   """Output shapes and block specs of the (q, scale) pair."""
-  width = padded_width(k, group_size)
-  groups, groups_p = -(-k // group_size), width // group_size
-  bt = config.block_rows
+  groups = -(-k // group_size)
   shapes = [jax.ShapeDtypeStruct((rows, k), storage_dtype(fmt))]
-  specs = [pl.BlockSpec((bt, width), lambda i: (i, 0))]
+  specs = [pl.BlockSpec((block_rows, k), lambda i: (i, 0))]
   if layout == "row":
     shapes.append(jax.ShapeDtypeStruct((rows, groups), jnp.float32))
-    specs.append(pl.BlockSpec((bt, groups_p), lambda i: (i, 0)))
+    specs.append(pl.BlockSpec((block_rows, groups), lambda i: (i, 0)))
   else:
     shapes.append(jax.ShapeDtypeStruct((groups, rows), jnp.float32))
-    specs.append(pl.BlockSpec((groups_p, bt), lambda i: (0, i)))
+    specs.append(pl.BlockSpec((groups, block_rows), lambda i: (0, i)))
   return shapes, specs
-
-
-def load_row(ref, k: int) -> jax.Array:
-  """The tile as f32 with the columns past `k` zeroed (the pad is not guaranteed to be)."""
-  x = ref[...].astype(jnp.float32)
-  if x.shape[-1] != k:
-    col = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    x = jnp.where(col < k, x, 0.0)
-  return x
 
 
 def group_quant(x: jax.Array, fmt: Fp8Format, *, group_size: int, layout: str, ue8m0: bool,
                 config: Config | None = None):
   """`x [T, K]` -> (q [T, K], scale); see `reference.group_quant` for the semantics."""
   rows, k = x.shape
-  width = padded_width(k, group_size)
-  config = config or heuristics(rows, width)
+  chunk_width(k)
+  config = config or heuristics(rows, k)
+  check_config(config, rows)
+  bt = config.block_rows
 
   def kernel(x_ref, q_ref, s_ref):
-    q, scale = quantize_tile(load_row(x_ref, k), fmt, group_size, ue8m0)
-    q_ref[...] = q
-    store_scale(s_ref, scale, layout)
+    codes, scales = quantize_chunks(load_chunks(x_ref, k), fmt, group_size, ue8m0)
+    store_chunks(q_ref, codes)
+    store_scales(s_ref, scales, layout)
 
-  out_shape, out_specs = quant_out_specs(rows, k, fmt, group_size, layout, config)
+  out_shape, out_specs = quant_out_specs(rows, k, fmt, group_size, layout, bt)
   q, scale = pl.pallas_call(
       kernel,
-      grid=(pl.cdiv(rows, config.block_rows),),
-      in_specs=[pl.BlockSpec((config.block_rows, width), lambda i: (i, 0))],
+      grid=(rows // bt,),
+      in_specs=[pl.BlockSpec((bt, k), lambda i: (i, 0))],
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=compiler_params(config),

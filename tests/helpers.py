@@ -1,0 +1,93 @@
+"""Inputs, a float64 numpy oracle and closeness checks for the op tests."""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jfusedq.fp8 import Fp8Format, QuantizedActivation
+from jfusedq.testing import quant_mismatch
+
+# Reductions in a different order and (on GPU) approximate rsqrt / division move a scale by a
+# few f32 ulps (1 ulp = 6e-8 relative); 1e-6 leaves room for ~16 and still catches any real
+# error. A code moves only when y / scale sits within that much of a rounding midpoint.
+SCALE_RTOL = 1e-6
+CODE_FRAC = 1e-3
+# A bf16 output rounded from f32 values that differ by a few ulps may land one bf16 ulp
+# (2**-8 relative to the leading bit, so at most 2**-7 of the value) apart.
+BF16_RTOL = 2.0**-7
+
+FORMATS = {
+    "e4m3fn": Fp8Format.e4m3fn(),
+    "e4m3fnuz": Fp8Format.e4m3fnuz(),
+    "e4m3fnuz_224": Fp8Format.e4m3fnuz(fp8_max=224.0),
+}
+
+
+def rng(*key) -> np.random.Generator:
+  return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def activations(r: np.random.Generator, shape, dtype=jnp.bfloat16) -> jax.Array:
+  """Normal values with per-row magnitudes spread over two decades and a few outliers."""
+  x = r.standard_normal(shape) * np.exp(r.uniform(-2.3, 2.3, shape[:-1] + (1,)))
+  x = np.where(r.random(shape) < 0.002, x * 30.0, x)
+  return jnp.asarray(x, dtype)
+
+
+def weights(r: np.random.Generator, n: int, dtype=jnp.bfloat16) -> jax.Array:
+  return jnp.asarray(r.standard_normal(n) * 0.5 + 0.2, dtype)
+
+
+def assert_quant_close(got: QuantizedActivation, want: QuantizedActivation, *,
+                       scale_rtol=SCALE_RTOL, code_frac=CODE_FRAC):
+  why = quant_mismatch(got, want, max_code_frac=code_frac, scale_rtol=scale_rtol)
+  assert why is None, why
+
+
+def assert_rounded_close(got, want, rtol=BF16_RTOL):
+  assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.shape)
+  g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert np.all(np.isfinite(g))
+  np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-30)
+
+
+def assert_outputs_close(got, want):
+  """Every output of rmsnorm_quant: quant (+hp), residual (bit-exact), norm2."""
+  assert_quant_close(got.quant, want.quant)
+  assert (got.quant.hp is None) == (want.quant.hp is None)
+  if want.quant.hp is not None:
+    assert_rounded_close(got.quant.hp, want.quant.hp)
+  assert (got.residual is None) == (want.residual is None)
+  if want.residual is not None:
+    # The same f32 add rounded once: no freedom at all.
+    np.testing.assert_array_equal(np.asarray(got.residual, np.float32),
+                                  np.asarray(want.residual, np.float32))
+  assert (got.norm2 is None) == (want.norm2 is None)
+  if want.norm2 is not None:
+    assert_rounded_close(got.norm2, want.norm2)
+
+
+def oracle_quant(y, fmt: Fp8Format, group_size: int, ue8m0: bool):
+  """float64 numpy per-group quantisation: (q as fp8 numpy, row-major scale float64)."""
+  y = np.asarray(y, np.float64)
+  *lead, k = y.shape
+  groups = -(-k // group_size)
+  pad = np.zeros((*lead, groups * group_size - k))
+  yg = np.concatenate([y, pad], axis=-1).reshape(*lead, groups, group_size)
+  scale = np.maximum(np.abs(yg).max(-1), 1e-10) / fmt.max
+  if ue8m0:
+    scale = 2.0 ** np.ceil(np.log2(scale))
+  q = np.clip(yg / scale[..., None], -fmt.max, fmt.max).reshape(*lead, -1)[..., :k]
+  np_dtype = {"e4m3fn": ml_dtypes.float8_e4m3fn, "e4m3fnuz": ml_dtypes.float8_e4m3fnuz}
+  return q.astype(np_dtype[fmt.name]), scale
+
+
+def oracle_rmsnorm(h, w, eps, offset):
+  h = np.asarray(h, np.float64)
+  return h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * (
+      np.asarray(w, np.float64) + offset)

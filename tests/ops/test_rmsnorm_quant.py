@@ -1,0 +1,230 @@
+"""rmsnorm_quant: every implementation against the f32 reference, which is checked against a
+float64 oracle; options, odd shapes, edge values, determinism, transforms and errors."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from helpers import (FORMATS, activations, assert_outputs_close, assert_quant_close, oracle_quant,
+                     oracle_rmsnorm, rng, weights)
+from jfusedq import Fp8Format, QuantizedActivation, Unsupported, group_quant, rmsnorm_quant
+from jfusedq.ops.group_quant import Config
+from jfusedq.ops.group_quant import pallas as gq_pallas
+
+IMPLS = ("xla", "pallas")
+MODEL_HIDDEN = (4096, 7168, 1536, 512, 2112, 576, 8192)
+
+
+def inputs(key, shape, *, residual=True, x2=None, dtype=jnp.bfloat16):
+  r = rng(*key)
+  x = activations(r, shape, dtype)
+  res = activations(r, shape, dtype) if residual else None
+  w = weights(r, shape[-1])
+  if x2 is None:
+    return x, res, w, None, None
+  return x, res, w, activations(r, shape[:-1] + (x2,), dtype), weights(r, x2)
+
+
+def run_both(impl, x, w, **kw):
+  return (rmsnorm_quant(x, w, implementation=impl, **kw),
+          rmsnorm_quant(x, w, implementation="xla", **kw))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("hidden", MODEL_HIDDEN)
+def test_model_hidden_sizes(impl, hidden):
+  x, res, w, _, _ = inputs(("hidden", hidden), (3, hidden))
+  got, want = run_both(impl, x, w, residual=res)
+  assert_outputs_close(got, want)
+
+
+OPTIONS = {
+    "plain": dict(),
+    "residual": dict(residual=True),
+    "offset1": dict(weight_offset=1.0),
+    "keep_hp": dict(keep_hp=True),
+    "x2": dict(x2=512),
+    "col": dict(layout="col"),
+    "ue8m0": dict(ue8m0=True),
+    "g64": dict(group_size=64),
+    "e4m3fnuz": dict(fmt="e4m3fnuz"),
+    "e4m3fnuz_224": dict(fmt="e4m3fnuz_224"),
+    "eps": dict(eps=1e-2),
+    "all": dict(residual=True, weight_offset=1.0, keep_hp=True, x2=576, layout="col",
+                ue8m0=True, group_size=64, fmt="e4m3fnuz"),
+}
+
+
+def options_call(name, shape, impl, dtype=jnp.bfloat16):
+  opt = dict(OPTIONS[name])
+  x, res, w, x2, w2 = inputs(("opt", name, shape, str(dtype)), shape,
+                             residual=opt.pop("residual", False), x2=opt.pop("x2", None),
+                             dtype=dtype)
+  if "fmt" in opt:
+    opt["fmt"] = FORMATS[opt["fmt"]]
+  return run_both(impl, x, w, residual=res, x2=x2, weight2=w2, **opt)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", OPTIONS)
+def test_options(impl, name):
+  # 2112 = 16.5 groups of 128: the last group is partial.
+  got, want = options_call(name, (5, 2112), impl)
+  assert_outputs_close(got, want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", [(1, 7168), (2, 3, 576), (1, 1, 1536), (33, 512)])
+def test_odd_shapes_all_options(impl, shape):
+  got, want = options_call("all", shape, impl)
+  assert got.quant.q.shape == shape and got.quant.scale.shape == (shape[-1] // 64 + 
+                                                                    (shape[-1] % 64 > 0),
+                                                                    *shape[:-1])
+  assert_outputs_close(got, want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_input_dtypes(impl, dtype):
+  got, want = options_call("residual", (4, 576), impl, dtype)
+  assert got.residual.dtype == dtype
+  assert_outputs_close(got, want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_zero_rows_and_large_values(impl):
+  x, res, w, _, _ = inputs(("extreme",), (6, 1536))
+  x = x.at[1].set(0).at[3].set(jnp.bfloat16(1e4)).at[4, ::7].set(jnp.bfloat16(-1e4))
+  res = res.at[1].set(0)
+  got, want = run_both(impl, x, w, residual=res, keep_hp=True)
+  assert_outputs_close(got, want)
+  q = np.asarray(got.quant.q.astype(jnp.float32))
+  assert np.all(q[1] == 0) and np.all(np.isfinite(np.asarray(got.quant.scale)))
+  # Row 3 is constant: after the norm every group's amax is |w| * const, so codes hit the max.
+  assert np.abs(q[3]).max() == 448.0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_deterministic(impl):
+  x, res, w, x2, w2 = inputs(("det",), (8, 7168), x2=512)
+  f = jax.jit(lambda *a: rmsnorm_quant(a[0], a[2], residual=a[1], x2=a[3], weight2=a[4],
+                                       keep_hp=True, implementation=impl))
+  a, b = f(x, res, w, x2, w2), f(x, res, w, x2, w2)
+  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert np.asarray(u).tobytes() == np.asarray(v).tobytes()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_jit_and_vmap(impl):
+  x, res, w, _, _ = inputs(("vmap",), (3, 4, 1536))
+  want = rmsnorm_quant(x, w, residual=res, implementation="xla")
+  jitted = jax.jit(lambda x, r, w: rmsnorm_quant(x, w, residual=r, implementation=impl))
+  assert_outputs_close(jitted(x, res, w), want)
+  mapped = jax.vmap(lambda x, r: rmsnorm_quant(x, w, residual=r, implementation=impl))(x, res)
+  assert_outputs_close(mapped, want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_equals_unfused(impl, fmt):
+  """The fused op against `r = x + residual; rmsnorm(r)` (f32) then the standalone quant."""
+  fmt = FORMATS[fmt]
+  x, res, w, _, _ = inputs(("unfused", fmt.name, fmt.max), (16, 7168))
+  fused = rmsnorm_quant(x, w, residual=res, fmt=fmt, implementation=impl)
+  r = (x.astype(jnp.float32) + res.astype(jnp.float32)).astype(x.dtype)
+  rf = r.astype(jnp.float32)
+  y = rf * jax.lax.rsqrt(jnp.mean(rf * rf, axis=-1, keepdims=True) + 1e-6) * w.astype(jnp.float32)
+  unfused = group_quant(y, fmt=fmt, implementation=impl)
+  np.testing.assert_array_equal(np.asarray(fused.residual, np.float32), np.asarray(r, np.float32))
+  assert_quant_close(fused.quant, unfused)
+
+
+@pytest.mark.parametrize("case", ["plain", "residual_offset", "ue8m0_fnuz", "g64_224"])
+def test_reference_matches_float64_oracle(case):
+  opt = {"plain": dict(), "residual_offset": dict(residual=True, weight_offset=1.0),
+         "ue8m0_fnuz": dict(ue8m0=True, fmt="e4m3fnuz"),
+         "g64_224": dict(group_size=64, fmt="e4m3fnuz_224")}[case]
+  fmt = FORMATS[opt.pop("fmt", "e4m3fn")]
+  group_size, offset = opt.get("group_size", 128), opt.get("weight_offset", 0.0)
+  x, res, w, x2, w2 = inputs(("oracle", case), (7, 2112), residual=opt.pop("residual", False),
+                             x2=576)
+  out = rmsnorm_quant(x, w, residual=res, x2=x2, weight2=w2, fmt=fmt, implementation="xla",
+                      keep_hp=True, **opt)
+  h = np.asarray(x, np.float64) if res is None else np.asarray(out.residual, np.float64)
+  if res is not None:
+    want_res = (np.asarray(x, np.float64) + np.asarray(res, np.float64)).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(np.asarray(out.residual), want_res)
+  y = oracle_rmsnorm(h, w, 1e-6, offset)
+  q, scale = oracle_quant(y, fmt, group_size, opt.get("ue8m0", False))
+  want = QuantizedActivation(jnp.asarray(q), jnp.asarray(scale, jnp.float32), group_size=group_size)
+  # f32 against f64 through a 2112-long mean and a product: ~1e-6 relative on y, hence on scales.
+  assert_quant_close(out.quant, want, scale_rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(out.quant.hp, np.float64), y, rtol=2.0**-8, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(out.norm2, np.float64), oracle_rmsnorm(x2, w2, 1e-6, offset),
+                             rtol=2.0**-8, atol=1e-6)
+
+
+@pytest.mark.parametrize("block_rows,num_warps", [(1, 4), (2, 8), (4, 16), (8, 4)])
+def test_explicit_configs(block_rows, num_warps):
+  x, res, w, x2, w2 = inputs(("config",), (8, 2112), x2=512)
+  kw = dict(residual=res, x2=x2, weight2=w2, keep_hp=True)
+  got = rmsnorm_quant(x, w, implementation="pallas", config=Config(block_rows, num_warps), **kw)
+  assert_outputs_close(got, rmsnorm_quant(x, w, implementation="xla", **kw))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 64, 96, 4096, 16383, 16384])
+@pytest.mark.parametrize("width", [512, 576, 2048, 2112, 4096, 7168, 8192])
+def test_heuristics_valid(rows, width):
+  c = gq_pallas.heuristics(rows, width)
+  assert rows % c.block_rows == 0
+  assert c.block_rows * width <= max(gq_pallas.TILE, width)
+  assert 4 <= c.num_warps <= 16
+
+
+def test_default_implementation_on_cpu_is_xla():
+  x, res, w, _, _ = inputs(("default",), (2, 576))
+  if jax.default_backend() == "cpu":
+    got = rmsnorm_quant(x, w, residual=res)
+    want = rmsnorm_quant(x, w, residual=res, implementation="xla")
+    for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert np.asarray(u).tobytes() == np.asarray(v).tobytes()
+
+
+@pytest.mark.parametrize("hidden", [4097, 17408])
+def test_untileable_rows_fall_back(hidden):
+  """Odd or over-wide rows: Pallas declines, an explicit request says so, a chain falls back."""
+  x, _, w, _, _ = inputs(("fallback", hidden), (2, hidden))
+  with pytest.raises(Unsupported, match="pallas"):
+    rmsnorm_quant(x, w, implementation="pallas")
+  got = rmsnorm_quant(x, w, implementation=("pallas", "xla"))
+  assert_outputs_close(got, rmsnorm_quant(x, w, implementation="xla"))
+
+
+def test_errors():
+  x, res, w, x2, w2 = inputs(("errors",), (4, 576), x2=512)
+  with pytest.raises(TypeError, match="x must be"):
+    rmsnorm_quant(x.astype(jnp.int8), w)
+  with pytest.raises(ValueError, match="weight shape"):
+    rmsnorm_quant(x, w[:-1])
+  with pytest.raises(ValueError, match="residual shape"):
+    rmsnorm_quant(x, w, residual=res[:2])
+  with pytest.raises(TypeError, match="residual dtype"):
+    rmsnorm_quant(x, w, residual=res.astype(jnp.float32))
+  with pytest.raises(ValueError, match="group_size"):
+    rmsnorm_quant(x, w, group_size=100)
+  with pytest.raises(ValueError, match="unknown implementation"):
+    rmsnorm_quant(x, w, implementation="cuda")
+  with pytest.raises(ValueError, match="together"):
+    rmsnorm_quant(x, w, x2=x2)
+  with pytest.raises(ValueError, match="x2 leading shape"):
+    rmsnorm_quant(x, w, x2=x2[:3], weight2=w2)
+  with pytest.raises(ValueError, match="layout"):
+    rmsnorm_quant(x, w, layout="colmajor")
+  with pytest.raises(ValueError, match="fmt"):
+    rmsnorm_quant(x, w, fmt="e5m2")
+  with pytest.raises(ValueError, match="must divide"):
+    rmsnorm_quant(x, w, implementation="pallas", config=Config(8, 4))
+  with pytest.raises(ValueError, match="fp8_max"):
+    Fp8Format.e4m3fnuz(fp8_max=448.0)
