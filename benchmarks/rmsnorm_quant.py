@@ -80,8 +80,8 @@ def check(make, config=None):
 
 
 def chain_len(nbytes):
-  """Calls per timed jit: enough for ~3 ms of work at ~3 TB/s, 10 to 50."""
-  return int(min(50, max(10, 3e-3 * 3e12 / nbytes)))
+  """Calls per timed jit: enough for ~3 ms of work at ~3 TB/s, 5 to 20."""
+  return int(min(20, max(5, 3e-3 * 3e12 / nbytes)))
 
 
 def main():
