@@ -3,6 +3,7 @@
 from jfusedq.fp8 import Fp8Format, QuantizedActivation, default_format
 from jfusedq.ops._dispatch import Unsupported
 from jfusedq.ops.group_quant import group_quant
+from jfusedq.ops.rmsnorm import RmsNormOutput, rmsnorm
 from jfusedq.ops.rmsnorm_quant import RmsNormQuantOutput, rmsnorm_quant
 
 __version__ = "0.1.0"
@@ -10,9 +11,11 @@ __version__ = "0.1.0"
 __all__ = [
     "Fp8Format",
     "QuantizedActivation",
+    "RmsNormOutput",
     "RmsNormQuantOutput",
     "Unsupported",
     "default_format",
     "group_quant",
+    "rmsnorm",
     "rmsnorm_quant",
 ]

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import AbstractDevice, AbstractMesh
 
 from jfusedq.fp8 import Fp8Format, QuantizedActivation
 from jfusedq.testing import quant_mismatch
@@ -91,3 +92,17 @@ def oracle_rmsnorm(h, w, eps, offset):
   h = np.asarray(h, np.float64)
   return h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * (
       np.asarray(w, np.float64) + offset)
+
+
+# Abstract devices stand in for GPUs this machine does not have (DESIGN.md 4).
+TARGETS = {"h200": ("NVIDIA H200", "cuda"), "gfx950": ("gfx950", "rocm"),
+           "gfx942": ("gfx942", "rocm")}
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def lower(target: str, fn, *avals) -> str:
+  """StableHLO text of jit(fn) lowered for `target` through an abstract mesh."""
+  kind, platform = TARGETS[target]
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(kind, None, platform))
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.jit(fn).trace(*avals).lower().as_text()

@@ -4,21 +4,11 @@ the Triton custom call for H200 (cuda), MI355 (gfx950) and MI300 (gfx942) abstra
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
+from helpers import TARGETS, TRITON_CALL, lower
 from jfusedq import Fp8Format, default_format, group_quant, rmsnorm_quant
 
-TARGETS = {"h200": ("NVIDIA H200", "cuda"), "gfx950": ("gfx950", "rocm"),
-           "gfx942": ("gfx942", "rocm")}
-TRITON_CALL = "__gpu$xla.gpu.triton"
 S = jax.ShapeDtypeStruct
-
-
-def lower(target, fn, *avals):
-  kind, platform = TARGETS[target]
-  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(kind, None, platform))
-  with jax.sharding.use_abstract_mesh(mesh):
-    return jax.jit(fn).trace(*avals).lower().as_text()
 
 
 RMS_OPTIONS = {

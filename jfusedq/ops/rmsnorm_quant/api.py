@@ -47,7 +47,7 @@ def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None
     RmsNormQuantOutput(quant, residual, norm2); residual / norm2 are None when not asked for.
   """
   fmt = resolve_format(fmt)
-  _check(x, weight, residual, group_size, layout, x2, weight2)
+  check_inputs(x, weight, residual, group_size, layout, x2, weight2)
   eps2 = eps if eps2 is None else eps2
   kw = dict(residual=residual, eps=float(eps), weight_offset=float(weight_offset), fmt=fmt,
             group_size=group_size, layout=layout, ue8m0=ue8m0, keep_hp=keep_hp, x2=x2,
@@ -74,7 +74,7 @@ def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None
   return dispatch("rmsnorm_quant", {"pallas": run_pallas, "xla": xla}, implementation)
 
 
-def _check(x, weight, residual, group_size, layout, x2, weight2) -> None:
+def check_inputs(x, weight, residual, group_size, layout, x2, weight2) -> None:
   _common.check_float("x", x)
   _common.check_group_size(group_size)
   _common.check_layout(layout)

@@ -24,9 +24,13 @@ def _normalise(hs: list, w_ref, k: int, eps: float, weight_offset: float) -> lis
   return [h * inv * (w[None, :] + weight_offset) for h, w in zip(hs, gq.load_chunks(w_ref, k))]
 
 
-def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format, group_size, layout,
-                  ue8m0, keep_hp, x2, weight2, eps2, config: gq.Config | None = None):
-  """2-D `x [T, H]` (`x2 [T, H2]`) -> (q, scale, residual_out?, hp?, norm2?)."""
+def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format | None, group_size,
+                  layout, ue8m0, keep_hp, x2, weight2, eps2, config: gq.Config | None = None):
+  """2-D `x [T, H]` (`x2 [T, H2]`) -> (q?, scale?, residual_out?, hp?, norm2?).
+
+  `fmt=None` builds the norm alone (no q, scale): the add + RMSNorm kernel of the unfused
+  chain, which then returns hp as its output.
+  """
   rows, k = x.shape
   k2 = x2.shape[1] if x2 is not None else 0
   gq.chunk_width(k)
@@ -43,7 +47,7 @@ def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format, gr
     r_ref = refs.pop(0) if has_res else None
     w_ref = refs.pop(0)
     x2_ref, w2_ref = (refs.pop(0), refs.pop(0)) if has_x2 else (None, None)
-    q_ref, s_ref = refs.pop(0), refs.pop(0)
+    q_ref, s_ref = (refs.pop(0), refs.pop(0)) if fmt else (None, None)
     r_out_ref = refs.pop(0) if has_res else None
     hp_ref = refs.pop(0) if keep_hp else None
     y2_ref = refs.pop(0) if has_x2 else None
@@ -57,9 +61,10 @@ def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format, gr
     ys = _normalise(hs, w_ref, k, eps, weight_offset)
     if keep_hp:
       gq.store_chunks(hp_ref, ys)
-    codes, scales = gq.quantize_chunks(ys, fmt, group_size, ue8m0)
-    gq.store_chunks(q_ref, codes)
-    gq.store_scales(s_ref, scales, layout)
+    if fmt:
+      codes, scales = gq.quantize_chunks(ys, fmt, group_size, ue8m0)
+      gq.store_chunks(q_ref, codes)
+      gq.store_scales(s_ref, scales, layout)
     if has_x2:
       gq.store_chunks(y2_ref, _normalise(gq.load_chunks(x2_ref, k2), w2_ref, k2, eps2,
                                          weight_offset))
@@ -74,7 +79,8 @@ def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format, gr
   if has_x2:
     inputs += [x2, weight2]
     in_specs += [pl.BlockSpec((bt, k2), lambda i: (i, 0)), pl.BlockSpec((k2,), lambda i: (0,))]
-  out_shape, out_specs = gq.quant_out_specs(rows, k, fmt, group_size, layout, bt)
+  out_shape, out_specs = (gq.quant_out_specs(rows, k, fmt, group_size, layout, bt) if fmt
+                          else ([], []))
   extra = [(has_res, (rows, k), x.dtype, row_spec),
            (keep_hp, (rows, k), x.dtype, row_spec),
            (has_x2, (rows, k2), x2.dtype if has_x2 else None,
@@ -93,8 +99,9 @@ def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format, gr
       interpret=gq.interpret(),
       name="rmsnorm_quant",
   )(*inputs)
-  q, scale, *rest = outs
+  rest = list(outs)
+  q, scale = (gq.to_fp8(rest.pop(0), fmt), rest.pop(0)) if fmt else (None, None)
   residual_out = rest.pop(0) if has_res else None
   hp = rest.pop(0) if keep_hp else None
   norm2 = rest.pop(0) if has_x2 else None
-  return gq.to_fp8(q, fmt), scale, residual_out, hp, norm2
+  return q, scale, residual_out, hp, norm2

@@ -1,0 +1,3 @@
+from jfusedq.ops.rmsnorm.api import RmsNormOutput, rmsnorm
+
+__all__ = ["RmsNormOutput", "rmsnorm"]

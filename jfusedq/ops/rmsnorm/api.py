@@ -1,0 +1,56 @@
+"""(Residual add +) RMSNorm without quantisation: the norm kernel of the unfused chain.
+
+The Pallas path is the rmsnorm_quant kernel built with its quantisation stage left out, so
+the two ops share one kernel and agree bit for bit on the residual and the norm.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+
+from jfusedq.ops._dispatch import dispatch
+from jfusedq.ops.group_quant import pallas as gq_pallas
+from jfusedq.ops.rmsnorm_quant import api as rq_api
+from jfusedq.ops.rmsnorm_quant import pallas as rq_pallas
+from jfusedq.ops.rmsnorm_quant.reference import rmsnorm as rmsnorm_ref
+
+
+class RmsNormOutput(NamedTuple):
+  y: jax.Array  # rmsnorm(x + residual) in x.dtype
+  residual: jax.Array | None  # x + residual rounded to x.dtype, when a residual was given
+
+
+def rmsnorm(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None = None,
+            eps: float = 1e-6, weight_offset: float = 0.0,
+            implementation: str | Sequence[str] | None = None,
+            config: gq_pallas.Config | None = None) -> RmsNormOutput:
+  """h = x (+ residual, rounded to x.dtype); y = h * rsqrt(mean(h^2) + eps) * (w + offset).
+
+  Shapes: x, residual `[..., H]`; weight `[H]`; y `[..., H]` in x.dtype.
+  """
+  rq_api.check_inputs(x, weight, residual, 128, "row", None, None)
+
+  def xla():
+    h = x
+    if residual is not None:
+      h = (x.astype("float32") + residual.astype("float32")).astype(x.dtype)
+    y = rmsnorm_ref(h, weight, eps, weight_offset).astype(x.dtype)
+    return RmsNormOutput(y, h if residual is not None else None)
+
+  def run_pallas():
+    *lead, k = x.shape
+    rows = math.prod(lead)
+    if rows == 0:
+      return xla()
+    flat = lambda a: None if a is None else a.reshape(rows, k)
+    _, _, res_out, y, _ = rq_pallas.rmsnorm_quant(
+        flat(x), weight, residual=flat(residual), eps=float(eps),
+        weight_offset=float(weight_offset), fmt=None, group_size=128, layout="row", ue8m0=False,
+        keep_hp=True, x2=None, weight2=None, eps2=None, config=config)
+    return RmsNormOutput(y.reshape(x.shape), None if res_out is None else res_out.reshape(x.shape))
+
+  return dispatch("rmsnorm", {"pallas": run_pallas, "xla": xla}, implementation)
