@@ -1,0 +1,100 @@
+"""Public entry point of the block-scaled FP8 projection (W8A8, 1x128 / 128x128 scales)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jfusedq.fp8 import E4M3FN, E4M3FNUZ, Fp8Format, QuantizedActivation
+from jfusedq.ops import _common
+from jfusedq.ops._dispatch import dispatch
+from jfusedq.ops.fp8_matmul import pallas, reference
+from jfusedq.ops.group_quant import group_quant
+
+BLOCK = reference.BLOCK
+
+
+def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_scale: jax.Array, *,
+               out_dtype=jnp.bfloat16, implementation: str | Sequence[str] | None = None,
+               config: pallas.Config | None = None) -> jax.Array:
+  """`a [..., K]` times `weight [N, K]`^T with DeepSeek block scales -> `[..., N]`.
+
+  Steps:
+    1. If `a` is an array (bf16/f16/f32), quantise it per 1 x 128 group to the weight's FP8
+       format (`group_quant`); a `QuantizedActivation` (with or without `hp`) is used as is
+       after checking its group size (must be 128), layout and dtype.
+    2. For each K block of 128: fp8 dot in f32, times the activation row's scale and the
+       weight block's scale (`weight_scale` multiplies the dequantised block, the HF
+       `weight_scale_inv` convention); accumulate in f32.
+    3. Cast to `out_dtype` (bf16).
+
+  Args:
+    a: `[..., K]` array or QuantizedActivation (`q [..., K]`, scale per layout).
+    weight: `[N, K]` float8_e4m3fn or float8_e4m3fnuz; any N, K.
+    weight_scale: `[ceil(N/128), ceil(K/128)]` float32.
+    implementation: "pallas", "xla", a sequence tried in order, or None (best available).
+    config: Pallas tiling; default from `pallas.heuristics` (by M and device).
+  """
+  n, k = _check_weight(weight, weight_scale)
+  qa = _quantized(a, weight, k, implementation)
+
+  def xla():
+    return reference.fp8_matmul(qa, weight, weight_scale, out_dtype)
+
+  def run_pallas():
+    *lead, _ = qa.q.shape
+    m = math.prod(lead)
+    if m == 0:
+      return xla()
+    sa = qa.scale.reshape(m, -1) if qa.layout == "row" else qa.scale.reshape(-1, m)
+    cfg = config or pallas.heuristics(m, n, k)
+    out = pallas.fp8_matmul(qa.q.reshape(m, k), sa, qa.layout, weight, weight_scale, cfg,
+                            out_dtype)
+    return out.reshape(*lead, n)
+
+  return dispatch("fp8_matmul", {"pallas": run_pallas, "xla": xla}, implementation)
+
+
+def _check_weight(weight, weight_scale) -> tuple[int, int]:
+  if weight.ndim != 2:
+    raise ValueError(f"weight must be [N, K], got shape {weight.shape}")
+  if jnp.dtype(weight.dtype) not in (E4M3FN, E4M3FNUZ):
+    raise TypeError(f"weight must be float8_e4m3fn or float8_e4m3fnuz, got {weight.dtype}")
+  n, k = weight.shape
+  want = (-(-n // BLOCK), -(-k // BLOCK))
+  if weight_scale.dtype != jnp.float32:
+    raise TypeError(f"weight_scale must be float32, got {weight_scale.dtype}")
+  if tuple(weight_scale.shape) != want:
+    raise ValueError(f"weight_scale shape {tuple(weight_scale.shape)} does not match weight "
+                     f"{(n, k)} in {BLOCK}x{BLOCK} blocks: want {want}")
+  return n, k
+
+
+def _quantized(a, weight, k, implementation) -> QuantizedActivation:
+  if isinstance(a, QuantizedActivation):
+    a.validate()
+    if a.group_size != BLOCK:
+      raise ValueError(f"activation quantised with group_size={a.group_size}; the block-scaled "
+                       f"GEMM needs {BLOCK}")
+    if a.q.dtype != weight.dtype:
+      raise TypeError(f"activation is {a.q.dtype} but the weight is {weight.dtype}")
+  else:
+    _common.check_float("a", a)
+    if a.ndim < 1:
+      raise ValueError("a must have at least one dimension (K)")
+    # The GEMM's backend choice carries to its quantisation step, which may still fall back
+    # to XLA for a width its kernel cannot tile (the GEMM itself takes any K).
+    if isinstance(implementation, str):
+      implementation = tuple(dict.fromkeys((implementation, "xla")))
+    a = group_quant(a, group_size=BLOCK, fmt=_format_of(weight.dtype),
+                    implementation=implementation)
+  if a.q.shape[-1] != k:
+    raise ValueError(f"activation K = {a.q.shape[-1]} does not match the weight's K = {k}")
+  return a
+
+
+def _format_of(dtype) -> Fp8Format:
+  return Fp8Format.e4m3fn() if jnp.dtype(dtype) == E4M3FN else Fp8Format.e4m3fnuz()

@@ -1,0 +1,138 @@
+"""Pallas kernel for the block-scaled W8A8 GEMM (DeepSeek format, DESIGN.md 3.3).
+
+Grid (M blocks, N blocks, K splits). A program walks its share of the K blocks of 128 (the
+scale granularity): one fp8 x fp8 dot per block into f32, scaled by the activation's per-row
+scale and the weight block's scalar scale, accumulated in f32. `block_n` divides 128, so a
+program's columns share one weight-scale row. Loads and stores are masked, so M, N and K need
+not be multiples of anything (Pallas-Triton does not mask overhanging blocks by itself).
+With K split, each split writes an f32 partial and XLA adds them (deterministic, unlike
+atomics); decode shapes need the split to put enough programs on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jfusedq import _target
+
+BLOCK_K = 128  # = the scale block: one scale per activation row and weight block per step
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tiling: rows and columns per program, K splits, warps and software-pipeline stages."""
+
+  block_m: int
+  block_n: int
+  k_splits: int = 1
+  num_warps: int = 4
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for name in ("block_m", "block_n", "k_splits", "num_warps"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 1 or v & (v - 1):
+        raise ValueError(f"Config.{name} must be a positive power of two, got {v!r}")
+    if self.block_m < 16 or not 16 <= self.block_n <= BLOCK_K:
+      raise ValueError(f"Config needs block_m >= 16 and 16 <= block_n <= {BLOCK_K} (one weight-"
+                       f"scale row per program), got {self}")
+    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+      raise ValueError(f"Config.num_stages must be a positive int, got {self.num_stages!r}")
+
+
+# SMs to fill per device kind when choosing the K split for small M (decode).
+_SMS = {"h200": 132, "h100": 132, "mi300": 304, "mi325": 304, "mi355": 256, "mi350": 256,
+        "gfx942": 304, "gfx950": 256}
+
+
+def _sm_count(device_kind: str) -> int:
+  kind = device_kind.lower()
+  return next((n for key, n in _SMS.items() if key in kind), 128)
+
+
+def heuristics(m: int, n: int, k: int, device_kind: str | None = None) -> Config:
+  """Block sizes by M (and the device's SM count, for the K split).
+
+  M <= 64 (decode) is bound by reading the weight: small tiles, and K split until about two
+  programs per SM stream the weight. Larger M is bound by the tensor cores: 128 x 128 tiles.
+  """
+  device_kind = device_kind or _target.current().device_kind
+  kb = -(-k // BLOCK_K)
+  if m <= 64:
+    block_m = max(16, pl.next_power_of_2(m))
+    block_n = 64
+    tiles = -(-m // block_m) * -(-n // block_n)
+    want = max(1, 2 * _sm_count(device_kind) // tiles)
+    k_splits = min(1 << (want.bit_length() - 1), 1 << (kb.bit_length() - 1))
+    return Config(block_m, block_n, k_splits, num_warps=4, num_stages=4)
+  if m <= 256:
+    return Config(64, 128, 1, num_warps=4, num_stages=4)
+  return Config(128, 128, 1, num_warps=8, num_stages=3)
+
+
+def interpret() -> bool:
+  return _target.current().platform == "cpu"
+
+
+def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: jax.Array,
+               config: Config, out_dtype) -> jax.Array:
+  """qa [M, K] fp8, sa [M, KB] ("row") or [KB, M] ("col"), qw [N, K], sw [NB, KB] -> [M, N]."""
+  m, k = qa.shape
+  n = qw.shape[0]
+  kb = -(-k // BLOCK_K)
+  bm, bn, splits = config.block_m, config.block_n, config.k_splits
+  per_split = -(-kb // splits)
+  fp8 = qa.dtype
+
+  def kernel(a_ref, sa_ref, w_ref, sw_ref, o_ref):
+    pid_m, pid_n, pid_k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    m0, n0 = pid_m * bm, pid_n * bn
+    rows = m0 + lax.broadcasted_iota(jnp.int32, (bm,), 0)
+    cols = n0 + lax.broadcasted_iota(jnp.int32, (bn,), 0)
+    row_ok, col_ok = rows < m, cols < n
+    first = pid_k * per_split
+    last = jnp.minimum(first + per_split, kb)
+
+    def step(b, acc):
+      k0 = b * BLOCK_K
+      k_ok = (k0 + lax.broadcasted_iota(jnp.int32, (BLOCK_K,), 0)) < k
+      # The operands travel as their bits: a masked load fills with integer 0 (+0 in both
+      # formats), where a float fill would need a cast to fnuz the Triton lowering lacks.
+      a = plgpu.load(a_ref.at[pl.ds(m0, bm), pl.ds(k0, BLOCK_K)],
+                     mask=row_ok[:, None] & k_ok[None, :], other=0)
+      w = plgpu.load(w_ref.at[pl.ds(n0, bn), pl.ds(k0, BLOCK_K)],
+                     mask=col_ok[:, None] & k_ok[None, :], other=0)
+      a, w = lax.bitcast_convert_type(a, fp8), lax.bitcast_convert_type(w, fp8)
+      s_a = plgpu.load(sa_ref.at[pl.ds(m0, bm), b] if a_layout == "row"
+                       else sa_ref.at[b, pl.ds(m0, bm)], mask=row_ok, other=0.0)
+      s_w = sw_ref[n0 // BLOCK_K, b]
+      # fp8 x fp8 -> f32 on the tensor cores, contracting both operands' K (w is [N, K]).
+      d = lax.dot_general(a, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+      return acc + d * (s_a[:, None] * s_w)
+
+    acc = lax.fori_loop(first, last, step, jnp.zeros((bm, bn), jnp.float32))
+    out = o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)] if splits == 1 else o_ref.at[
+        pid_k, pl.ds(m0, bm), pl.ds(n0, bn)]
+    plgpu.store(out, acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+  out_shape = (jax.ShapeDtypeStruct((m, n), out_dtype) if splits == 1
+               else jax.ShapeDtypeStruct((splits, m, n), jnp.float32))
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  out = pl.pallas_call(
+      kernel,
+      grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), splits),
+      in_specs=[any_spec] * 4,
+      out_specs=any_spec,
+      out_shape=out_shape,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
+      interpret=interpret(),
+      name="fp8_matmul",
+  )(lax.bitcast_convert_type(qa, jnp.uint8), sa, lax.bitcast_convert_type(qw, jnp.uint8), sw)
+  return out if splits == 1 else out.sum(axis=0).astype(out_dtype)

@@ -1,0 +1,155 @@
+"""fp8_matmul: Pallas against the f32 reference, the reference against a float64 matmul of the
+dequantised operands; input kinds, odd shapes, every heuristic config, errors, lowering."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import FORMATS, TARGETS, TRITON_CALL, activations, lower, rng
+from jfusedq import QuantizedActivation, fp8_matmul, group_quant, rmsnorm_quant
+from jfusedq.nn import quantize_weight
+from jfusedq.ops.fp8_matmul import Config
+from jfusedq.ops.fp8_matmul import pallas as mm_pallas
+from jfusedq.ops.fp8_matmul.reference import dequantize_weight
+from jfusedq.testing import rel_rms
+
+IMPLS = ("xla", "pallas")
+# Both results are f32 sums rounded once to bf16 (2**-9 relative); summed in another order
+# they may round to neighbouring bf16 values: 2**-8 relative RMS bounds that with room, and
+# elementwise one bf16 ulp (2**-7 of the value) plus a floor for outputs that cancel to ~0.
+RMS_TOL = 2.0**-8
+
+
+def problem(key, m_shape, n, k, fmt="e4m3fn"):
+  r = rng(*key)
+  x = activations(r, (*m_shape, k))
+  w = jnp.asarray(r.standard_normal((n, k)) * np.exp(r.uniform(-1, 1, (n, 1))), jnp.float32)
+  qw, sw = quantize_weight(w, FORMATS[fmt])
+  # Random scales on top, so a wrong scale index cannot hide behind uniform scales.
+  sw = sw * jnp.asarray(r.uniform(0.5, 2.0, sw.shape), jnp.float32)
+  return x, qw, sw
+
+
+def assert_close(got, want):
+  assert got.shape == want.shape and got.dtype == want.dtype
+  g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert np.all(np.isfinite(g))
+  assert rel_rms(g, w) <= RMS_TOL, rel_rms(g, w)
+  assert np.all(np.abs(g - w) <= 2.0**-7 * np.abs(w) + 1e-3 * np.abs(w).max())
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
+def test_reference_matches_float64(fmt):
+  x, qw, sw = problem(("f64", fmt), (7,), 2112, 640, fmt)
+  qa = group_quant(x, fmt=FORMATS[fmt], implementation="xla")
+  got = fp8_matmul(qa, qw, sw, implementation="xla")
+  a64 = np.asarray(qa.dequantize(), np.float64)
+  w64 = np.asarray(dequantize_weight(qw, sw), np.float64)
+  want = a64 @ w64.T
+  # The final bf16 rounding (2**-9 relative) and the f32 accumulation (at most
+  # K * 2**-24 * sum|a w| per element, which matters only where the sum cancels).
+  assert rel_rms(got, want) <= 2.0**-9
+  bound = 2.0**-8 * np.abs(want) + 640 * 2.0**-24 * (np.abs(a64) @ np.abs(w64).T)
+  assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("m_shape,n,k", [((1,), 2112, 7168), ((5,), 2112, 1536), ((16,), 256, 512),
+                                         ((33,), 200, 300), ((2, 3), 384, 640)])
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
+def test_shapes_and_formats(impl, m_shape, n, k, fmt):
+  x, qw, sw = problem(("shape", m_shape, n, k, fmt), m_shape, n, k, fmt)
+  got = fp8_matmul(x, qw, sw, implementation=impl)
+  assert got.shape == (*m_shape, n) and got.dtype == jnp.bfloat16
+  assert_close(got, fp8_matmul(x, qw, sw, implementation="xla"))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_input_kinds_identical(impl):
+  """bf16 array, its (fp8, scale) and its (bf16, fp8, scale): identical outputs."""
+  x, qw, sw = problem(("kinds",), (9,), 384, 1024)
+  qa = group_quant(x, implementation=impl)
+  outs = [fp8_matmul(a, qw, sw, implementation=impl)
+          for a in (x, qa, QuantizedActivation(qa.q, qa.scale, hp=x))]
+  for out in outs[1:]:
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(outs[0]))
+  # The fused norm's tuple, with and without its bf16 copy: the fp8 part is what is used.
+  w = jnp.asarray(rng("kinds-w").standard_normal(1024), jnp.bfloat16)
+  fused = rmsnorm_quant(x, w, keep_hp=True, implementation=impl, fmt=FORMATS["e4m3fn"]).quant
+  np.testing.assert_array_equal(
+      np.asarray(fp8_matmul(fused, qw, sw, implementation=impl)),
+      np.asarray(fp8_matmul(QuantizedActivation(fused.q, fused.scale), qw, sw,
+                            implementation=impl)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_column_major_scales(impl):
+  x, qw, sw = problem(("col",), (2, 5), 256, 640)
+  row = group_quant(x, implementation="xla")
+  col = group_quant(x, layout="col", implementation="xla")
+  np.testing.assert_array_equal(np.asarray(fp8_matmul(row, qw, sw, implementation=impl)),
+                                np.asarray(fp8_matmul(col, qw, sw, implementation=impl)))
+
+
+def heuristic_configs():
+  kinds = ["NVIDIA H200", "AMD Instinct MI300X", "gfx950", "cpu"]
+  return sorted({mm_pallas.heuristics(m, n, k, kind) for kind in kinds
+                 for m in (1, 16, 64, 256, 4096)
+                 for n, k in ((2112, 7168), (24576, 1536), (7168, 16384), (12288, 4096),
+                              (4096, 8192))}, key=str)
+
+
+@pytest.mark.parametrize("config", heuristic_configs(), ids=str)
+def test_every_heuristic_config(config):
+  # K = 1100 gives 9 K blocks (the last partial) so every split count has work to divide.
+  x, qw, sw = problem(("config", str(config)), (20,), 200, 1100)
+  got = fp8_matmul(x, qw, sw, implementation="pallas", config=config)
+  assert_close(got, fp8_matmul(x, qw, sw, implementation="xla"))
+
+
+def test_jit_deterministic():
+  x, qw, sw = problem(("jit",), (3, 4), 256, 512)
+  f = jax.jit(lambda x: fp8_matmul(x, qw, sw, implementation="pallas",
+                                   config=Config(16, 64, k_splits=2)))
+  a, b = f(x), f(x)
+  assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  assert_close(a, fp8_matmul(x, qw, sw, implementation="xla"))
+
+
+def test_errors():
+  x, qw, sw = problem(("errors",), (2,), 256, 384)
+  with pytest.raises(TypeError, match="weight must be"):
+    fp8_matmul(x, qw.astype(jnp.bfloat16), sw)
+  with pytest.raises(ValueError, match="does not match the weight's K"):
+    fp8_matmul(x[:, :256], qw, sw)
+  with pytest.raises(ValueError, match="weight_scale shape"):
+    fp8_matmul(x, qw, sw[:, :2])
+  with pytest.raises(TypeError, match="weight_scale must be float32"):
+    fp8_matmul(x, qw, sw.astype(jnp.bfloat16))
+  with pytest.raises(ValueError, match="group_size=64"):
+    fp8_matmul(group_quant(x, group_size=64), qw, sw)
+  with pytest.raises(TypeError, match="activation is"):
+    fp8_matmul(group_quant(x, fmt="e4m3fnuz"), qw, sw)
+  with pytest.raises(TypeError, match="a must be"):
+    fp8_matmul(x.astype(jnp.int8), qw, sw)
+  with pytest.raises(ValueError, match="unknown implementation"):
+    fp8_matmul(x, qw, sw, implementation="cublas")
+  with pytest.raises(ValueError, match="block_n"):
+    Config(16, 256)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("layout", ["row", "col"])
+@pytest.mark.parametrize("config", [Config(16, 64, 4), Config(128, 128, 1, 8, 3)], ids=str)
+def test_lowers(target, layout, config):
+  fp8 = jnp.float8_e4m3fnuz if target == "gfx942" else jnp.float8_e4m3fn
+  S = jax.ShapeDtypeStruct
+
+  def fn(q, s, w, sw):
+    return fp8_matmul(QuantizedActivation(q, s, layout=layout), w, sw, implementation="pallas",
+                      config=config)
+
+  scale = S((5, 12) if layout == "row" else (12, 5), jnp.float32)
+  text = lower(target, fn, S((5, 1536), fp8), scale, S((2112, 1536), fp8), S((17, 12), jnp.float32))
+  assert text.count(TRITON_CALL) == 1
