@@ -1,0 +1,129 @@
+"""H200 benchmark: block-scaled W8A8 GEMM (DeepSeek format) against XLA's bf16 dot and XLA's
+dequantise-then-dot, in one run.
+
+Per call: FLOPs = 2*M*N*K. Bytes = N*K (fp8 weight) + ceil(N/128)*ceil(K/128)*4 (weight scales)
++ M*K (fp8 activation) + M*ceil(K/128)*4 (activation scales) + M*N*2 (bf16 output).
+Roofline time = max(FLOPs / FP8 peak, bytes / copy bandwidth); the FP8 peak used is
+2 x the bf16 dot rate measured in the same run (Hopper's FP8 tensor-core rate is twice bf16's).
+"weight TB/s" = N*K / time, the decode figure of merit.
+
+Implementations timed: `pallas` (input already quantised: the fused-norm handoff),
+`pallas+quant` (bf16 input, quantised per call by group_quant), `xla_bf16` (bf16 x bf16 dot,
+unquantised weight), `xla_dequant` (dequantise the fp8 weight to bf16, then the bf16 dot).
+
+Run: python benchmarks/fp8_matmul.py [--out DIR] [--commit SHA] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _harness  # noqa: E402
+from jfusedq import default_format, fp8_matmul, group_quant  # noqa: E402
+from jfusedq.nn import quantize_weight  # noqa: E402
+from jfusedq.ops.fp8_matmul import pallas as mm_pallas  # noqa: E402
+from jfusedq.ops.fp8_matmul.reference import dequantize_weight  # noqa: E402
+from jfusedq.testing import rel_rms  # noqa: E402
+
+MS = (1, 16, 64, 256, 4096)
+# DeepSeek-V3 q_a+kv_a, q_b, o_proj; Qwen3.5 in_proj_qkv, out_proj.
+NKS = ((2112, 7168), (24576, 1536), (7168, 16384), (12288, 4096), (4096, 8192))
+
+
+def bf16_tflops(n: int = 8192) -> float:
+  def make(count):
+    keys = jax.random.split(jax.random.key(0), 2 * count)
+    return [(jax.random.normal(keys[2 * i], (n, n), jnp.bfloat16),
+             jax.random.normal(keys[2 * i + 1], (n, n), jnp.bfloat16)) for i in range(count)]
+
+  m = _harness.measure(lambda a, b: a @ b, make, 3)
+  return 2 * n**3 / (m["kernel_s"] or m["chain_s"]) / 1e12
+
+
+def make_problem(m, n, k, seed):
+  key = jax.random.key(seed)
+  w = jax.random.normal(jax.random.fold_in(key, 0), (n, k), jnp.float32)
+  qw, sw = quantize_weight(w, _fmt())
+  w_bf16 = w.astype(jnp.bfloat16)
+
+  def make(count):
+    sets = []
+    for i in range(count):
+      x = jax.random.normal(jax.random.fold_in(key, i + 1), (m, k), jnp.bfloat16)
+      sets.append((x, group_quant(x, fmt=_fmt()), qw, sw, w_bf16))
+    return sets
+  return make
+
+
+def _fmt():
+  return default_format()
+
+
+IMPLS = {
+    "pallas": lambda x, qa, qw, sw, wb: fp8_matmul(qa, qw, sw, implementation="pallas"),
+    "pallas+quant": lambda x, qa, qw, sw, wb: fp8_matmul(x, qw, sw, implementation="pallas"),
+    "xla_bf16": lambda x, qa, qw, sw, wb: x @ wb.T,
+    "xla_dequant": lambda x, qa, qw, sw, wb: x @ dequantize_weight(qw, sw).astype(jnp.bfloat16).T,
+}
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  ap.add_argument("--commit", default="unknown")
+  ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on CPU")
+  args = ap.parse_args()
+  ms, nks = ((1, 16), ((256, 384),)) if args.smoke else (MS, NKS)
+
+  bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
+  bf16 = bf16_tflops(256 if args.smoke else 8192)
+  fp8_peak = 2 * bf16
+  print(f"device {jax.devices()[0].device_kind}: copy {bw:.2f} TB/s, bf16 dot {bf16:.0f} TFLOP/s,"
+        f" FP8 peak taken as {fp8_peak:.0f} TFLOP/s")
+  print(__doc__.split("\n\n")[1])
+  rows = []
+  print(f"{'M':>5} {'N':>6} {'K':>6} {'impl':>13} {'us':>9} {'TFLOP/s':>8} {'wTB/s':>6} "
+        f"{'roof':>5} {'vs_bf16':>7} config / ok")
+  for seed, ((n, k), m) in enumerate((nk, m) for nk in nks for m in ms):
+    make = make_problem(m, n, k, seed)
+    x, qa, qw, sw, wb = make(1)[0]
+    want = fp8_matmul(qa, qw, sw, implementation="xla")
+    ok = rel_rms(fp8_matmul(qa, qw, sw, implementation="pallas"), want) <= 2.0**-8
+    flops = 2 * m * n * k
+    nbytes = n * k + (-(-n // 128)) * (-(-k // 128)) * 4 + m * k + m * (-(-k // 128)) * 4 + m * n * 2
+    floor = max(flops / (fp8_peak * 1e12), nbytes / (bw * 1e12))
+    config = mm_pallas.heuristics(m, n, k)
+    n_calls = 5 if flops > 1e11 else 20
+    base = None
+    for impl, op in IMPLS.items():
+      t = _harness.measure(op, make, n_calls)
+      sec = t["kernel_s"] or t["chain_s"]
+      if impl == "xla_bf16":
+        base = sec
+      rows.append(dict(case=dict(M=m, N=n, K=k), impl=impl, time_us=round(sec * 1e6, 3),
+                       tbps=round(n * k / sec / 1e12, 3), tflops=round(flops / sec / 1e12, 1),
+                       roofline_frac=round(floor / sec, 3), vs_xla=None,
+                       correct=bool(ok) if impl.startswith("pallas") else True,
+                       config=str(config) if impl.startswith("pallas") else None,
+                       chain_us=round(t["chain_s"] * 1e6, 3),
+                       kernels_per_call=t["kernels_per_call"]))
+    for row in rows[-len(IMPLS):]:
+      row["vs_xla"] = round(base / (row["time_us"] * 1e-6), 3)
+      print(f"{m:>5} {n:>6} {k:>6} {row['impl']:>13} {row['time_us']:9.2f} {row['tflops']:8.1f} "
+            f"{row['tbps']:6.2f} {row['roofline_frac']:5.2f} {row['vs_xla']:7.2f} "
+            f"{row['config'] or ''} {'' if row['correct'] else 'CHECK FAILED'}", flush=True)
+    _harness.write_results("fp8_matmul", rows,
+                           {"copy_tbps": round(bw, 3), "bf16_tflops": round(bf16, 1)},
+                           args.commit, args.out)
+
+
+if __name__ == "__main__":
+  main()
