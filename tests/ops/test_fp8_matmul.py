@@ -139,6 +139,7 @@ def test_errors():
     Config(16, 256)
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("layout", ["row", "col"])
 @pytest.mark.parametrize("config", [Config(16, 64, 4), Config(128, 128, 1, 8, 3)], ids=str)

@@ -9,6 +9,7 @@ from helpers import TARGETS, TRITON_CALL, lower
 from jfusedq import Fp8Format, default_format, group_quant, rmsnorm_quant
 
 S = jax.ShapeDtypeStruct
+pytestmark = pytest.mark.lowering
 
 
 RMS_OPTIONS = {

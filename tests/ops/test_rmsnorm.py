@@ -34,6 +34,7 @@ def test_matches_reference_and_fused(impl, shape, residual, offset):
     assert got.residual is None
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("target", TARGETS)
 def test_lowers(target):
   S = jax.ShapeDtypeStruct
