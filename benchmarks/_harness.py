@@ -37,8 +37,9 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int) -> dict:
 
   chain_s:  device seconds per call by the N / 2N slope of wall time (dispatch cancels;
             launch gaps between kernels count).
-  kernel_s: kernel seconds per call summed from a profiler trace of the N-call jit (launch
-            gaps excluded), with kernels_per_call; None where no GPU trace is available.
+  kernel_s: kernel seconds per call and device summed from a profiler trace of the N-call jit
+            (launch gaps excluded; averaged over the GPUs of an SPMD program), with
+            kernels_per_call (per device); None where no GPU trace is available.
   """
   sets = make_inputs(2 * n)
   f = jax.jit(lambda sets: [op(*s) for s in sets])
@@ -51,16 +52,17 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int) -> dict:
     jax.profiler.stop_trace()
     paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
     data = jax.profiler.ProfileData.from_file(paths[0]) if paths else None
-  total_ns, count = 0.0, 0
+  total_ns, count, gpus = 0.0, 0, 0
   for plane in data.planes if data else ():
     if plane.name.startswith("/device:GPU"):
+      gpus += 1
       for line in plane.lines:
         if line.name.startswith("Stream"):
           for ev in line.events:
             total_ns += ev.duration_ns
             count += 1
   if count:
-    result.update(kernel_s=total_ns * 1e-9 / n, kernels_per_call=count / n)
+    result.update(kernel_s=total_ns * 1e-9 / n / gpus, kernels_per_call=count / n / gpus)
   return result
 
 

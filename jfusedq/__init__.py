@@ -6,6 +6,8 @@ from jfusedq.ops.fp8_matmul import fp8_matmul
 from jfusedq.ops.group_quant import group_quant
 from jfusedq.ops.rmsnorm import RmsNormOutput, rmsnorm
 from jfusedq.ops.rmsnorm_quant import RmsNormQuantOutput, rmsnorm_quant
+from jfusedq.parallel import (allreduce_rmsnorm_quant, allreduce_rmsnorm_quant_sharded,
+                              chosen_strategy, reduce_scatter_rmsnorm_quant)
 
 __version__ = "0.1.0"
 
@@ -15,9 +17,13 @@ __all__ = [
     "RmsNormOutput",
     "RmsNormQuantOutput",
     "Unsupported",
+    "allreduce_rmsnorm_quant",
+    "allreduce_rmsnorm_quant_sharded",
+    "chosen_strategy",
     "default_format",
     "fp8_matmul",
     "group_quant",
+    "reduce_scatter_rmsnorm_quant",
     "rmsnorm",
     "rmsnorm_quant",
 ]
