@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-latest clean
+.PHONY: run test test-latest clean hf-reference
 
 $(STAMP): pyproject.toml
 	@py=$$(.ci/find-python) || exit 1; echo "using $$py"; rm -rf $(VENV); "$$py" -m venv $(VENV)
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/jfusedq demo
 
-test: $(STAMP)
+test: $(STAMP) hf-reference
 	$(PY) -m pytest -n auto -q tests
 
 # The same suite on the newest JAX/flax releases, in a separate environment.
@@ -24,6 +24,25 @@ test-latest:
 	.venv-latest/bin/python -m pip install -q --upgrade pip
 	.venv-latest/bin/python -m pip install -q --upgrade -e '.[test]' jax jaxlib flax
 	.venv-latest/bin/python -m pytest -n auto -q tests
+
+# The Hugging Face reference the DeepSeek-V3 tests compare against: a tiny random
+# DeepseekV3ForCausalLM saved with save_pretrained, its logits, and the same weights in
+# DeepSeek's FP8 format. PyTorch's CPU wheel here is for Python 3.11, so it lives in its own
+# environment, never imported by the tests.
+HF_VENV ?= .venv-hf
+HF_PY ?= python3.11
+HF_REF ?= build/hf_reference
+HF_STAMP := $(HF_VENV)/.installed
+
+$(HF_STAMP):
+	rm -rf $(HF_VENV); $(HF_PY) -m venv $(HF_VENV)
+	$(HF_VENV)/bin/python -m pip install -q torch==2.13.0 transformers==5.24.0 safetensors==0.8.0
+	@touch $(HF_STAMP)
+
+$(HF_REF)/meta.json: $(HF_STAMP) tests/models/hf_reference.py
+	$(HF_VENV)/bin/python tests/models/hf_reference.py $(HF_REF)
+
+hf-reference: $(HF_REF)/meta.json
 
 clean:
 	rm -rf $(VENV) .venv-latest

@@ -1,0 +1,20 @@
+"""Hugging Face checkpoint loading: safetensors by name, FP8 block-scaled projections."""
+
+from jfusedq.checkpoint.checkpoint import (Checkpoint, CheckpointError, MissingTensorError,
+                                           TensorMismatchError)
+from jfusedq.checkpoint.linear import QuantConfig, load_array, load_linear
+from jfusedq.checkpoint.safetensors import SafetensorsError, SafetensorsFile, load_file, save_file
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "MissingTensorError",
+    "QuantConfig",
+    "SafetensorsError",
+    "SafetensorsFile",
+    "TensorMismatchError",
+    "load_array",
+    "load_file",
+    "load_linear",
+    "save_file",
+]

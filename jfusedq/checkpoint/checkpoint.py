@@ -1,0 +1,136 @@
+"""A Hugging Face checkpoint directory: config.json and its tensors, read by name."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from jfusedq.checkpoint.safetensors import SafetensorsFile
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class CheckpointError(Exception):
+  """A checkpoint lacks something a model needs, or holds it in the wrong form."""
+
+
+class MissingTensorError(CheckpointError, KeyError):
+  """A tensor a model needs is not in the checkpoint."""
+
+  def __str__(self):  # KeyError would print the message quoted
+    return str(self.args[0])
+
+
+class TensorMismatchError(CheckpointError, ValueError):
+  """A tensor has the wrong shape or dtype."""
+
+
+class Checkpoint:
+  """Tensors of a checkpoint directory by name, with the directory's config.json.
+
+  The directory holds `config.json` and either a sharded `model.safetensors.index.json`
+  (`weight_map`: tensor name -> file), a single `model.safetensors`, or any `*.safetensors`
+  files (their union). Shards are opened lazily and tensors memory-mapped.
+
+  `prefix` scopes every name: `Checkpoint(path, prefix="model.")["norm.weight"]` reads
+  `model.norm.weight`; `scope("layers.0.")` narrows further.
+  """
+
+  def __init__(self, path: str | os.PathLike, *, prefix: str = ""):
+    self.path = os.fspath(path)
+    if not os.path.isdir(self.path):
+      raise CheckpointError(f"checkpoint directory {self.path!r} does not exist")
+    self.prefix = prefix
+    cfg = os.path.join(self.path, "config.json")
+    self.config: dict = {}
+    if os.path.exists(cfg):
+      with open(cfg) as f:
+        self.config = json.load(f)
+    self._files: dict[str, SafetensorsFile] = {}
+    index = os.path.join(self.path, INDEX)
+    if os.path.exists(index):
+      with open(index) as f:
+        self._where = dict(json.load(f)["weight_map"])
+      for fname in sorted(set(self._where.values())):
+        if not os.path.exists(os.path.join(self.path, fname)):
+          raise CheckpointError(f"{index} names shard {fname!r}, which is not in {self.path}")
+    else:
+      single = os.path.join(self.path, SINGLE)
+      files = [single] if os.path.exists(single) else sorted(
+          glob.glob(os.path.join(self.path, "*.safetensors")))
+      if not files:
+        raise CheckpointError(f"no {INDEX}, {SINGLE} or *.safetensors file in {self.path}")
+      self._where = {}
+      for path in files:
+        fname = os.path.basename(path)
+        for name in self._file(fname):
+          if name in self._where:
+            raise CheckpointError(f"tensor {name!r} is in both {self._where[name]} and {fname}")
+          self._where[name] = fname
+
+  def _file(self, fname: str) -> SafetensorsFile:
+    if fname not in self._files:
+      self._files[fname] = SafetensorsFile(os.path.join(self.path, fname))
+    return self._files[fname]
+
+  def scope(self, prefix: str) -> Checkpoint:
+    """A view whose names are relative to `self.prefix + prefix` (shares the open files)."""
+    view = object.__new__(Checkpoint)
+    view.__dict__.update(self.__dict__)
+    view.prefix = self.prefix + prefix
+    return view
+
+  def __contains__(self, name: str) -> bool:
+    return self.prefix + name in self._where
+
+  def keys(self) -> Iterator[str]:
+    """Names under this view's prefix, relative to it."""
+    n = len(self.prefix)
+    return (k[n:] for k in sorted(self._where) if k.startswith(self.prefix))
+
+  def spec(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) of a tensor without reading its data."""
+    full = self._full(name)
+    f = self._file(self._where[full])
+    if full not in f:
+      raise CheckpointError(f"tensor {full!r} is listed for {self._where[full]} in {INDEX} but "
+                            f"that file does not hold it")
+    return f.spec(full)
+
+  def _full(self, name: str) -> str:
+    full = self.prefix + name
+    if full not in self._where:
+      near = [k for k in self._where if k.rsplit(".", 1)[0] == full.rsplit(".", 1)[0]]
+      hint = f"; tensors of that module: {sorted(near)}" if near else ""
+      raise MissingTensorError(f"tensor {full!r} is missing from the checkpoint {self.path}{hint}")
+    return full
+
+  def get(self, name: str, *, shape: Sequence[int] | None = None,
+          dtype: Sequence | np.dtype | str | None = None) -> np.ndarray:
+    """The tensor `prefix + name` as a read-only numpy array of its stored dtype.
+
+    Args:
+      shape: if given, the shape it must have.
+      dtype: if given, a dtype (or sequence of dtypes) it must have.
+    Raises:
+      MissingTensorError, TensorMismatchError: naming the tensor.
+    """
+    full = self._full(name)
+    got_shape, got_dtype = self.spec(name)
+    if shape is not None and tuple(got_shape) != tuple(shape):
+      raise TensorMismatchError(f"tensor {full!r} has shape {list(got_shape)}, expected "
+                                f"{list(shape)} ({self._where[full]})")
+    if dtype is not None:
+      allowed = [np.dtype(d) for d in (dtype if isinstance(dtype, (list, tuple)) else [dtype])]
+      if got_dtype not in allowed:
+        raise TensorMismatchError(f"tensor {full!r} has dtype {got_dtype}, expected one of "
+                                  f"{[str(d) for d in allowed]} ({self._where[full]})")
+    return self._file(self._where[full])[full]
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    return self.get(name)

@@ -1,0 +1,56 @@
+"""RMSNorm layer that can hand the next FP8 projection an already-quantised activation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jfusedq.fp8 import Fp8Format, QuantizedActivation
+from jfusedq.ops.rmsnorm import rmsnorm
+from jfusedq.ops.rmsnorm_quant import rmsnorm_quant
+
+
+class RMSNorm(nnx.Module):
+  """(Residual add +) RMSNorm, optionally fused with per-group FP8 quantisation.
+
+    h = x + residual (rounded to `dtype`; h = x without a residual)
+    y = h * rsqrt(mean(h^2) + eps) * (w + weight_offset)      (in f32)
+
+  Shapes: x, residual `[..., H]`; weight `[H]`. With `quant=False` y is returned in `dtype`;
+  with `quant=True` it is a `QuantizedActivation` (q `[..., H]` fp8, scale `[..., ceil(H/G)]`,
+  plus `hp` = y in `dtype` when `keep_hp`) made by the fused `rmsnorm_quant` kernel. Returns y
+  alone without a residual, `(y, h)` with one, like SGLang's RMSNorm (h is the new residual).
+  """
+
+  def __init__(self, num_features: int, *, eps: float = 1e-6, weight_offset: float = 0.0,
+               quant: bool = False, keep_hp: bool = False, fmt: Fp8Format | str | None = None,
+               group_size: int = 128, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+               scale_init=nnx.initializers.ones, implementation: str | Sequence[str] | None = None,
+               rngs: nnx.Rngs):
+    self.weight = nnx.Param(scale_init(rngs.params(), (num_features,), param_dtype))
+    self.eps, self.weight_offset = float(eps), float(weight_offset)
+    self.quant, self.keep_hp, self.fmt, self.group_size = quant, keep_hp, fmt, group_size
+    self.dtype = dtype
+    self.implementation = implementation
+
+  def __call__(self, x: jax.Array, residual: jax.Array | None = None, *,
+               quant: bool | None = None, keep_hp: bool | None = None
+               ) -> jax.Array | QuantizedActivation | tuple:
+    quant = self.quant if quant is None else quant
+    keep_hp = self.keep_hp if keep_hp is None else keep_hp
+    x = x.astype(self.dtype)
+    residual = None if residual is None else residual.astype(self.dtype)
+    w = self.weight[...]
+    if quant:
+      out = rmsnorm_quant(x, w, residual=residual, eps=self.eps, weight_offset=self.weight_offset,
+                          group_size=self.group_size, fmt=self.fmt, keep_hp=keep_hp,
+                          implementation=self.implementation)
+      y = out.quant
+    else:
+      out = rmsnorm(x, w, residual=residual, eps=self.eps, weight_offset=self.weight_offset,
+                    implementation=self.implementation)
+      y = out.y
+    return y if residual is None else (y, out.residual)
