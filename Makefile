@@ -9,20 +9,20 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	@py=$$(.ci/find-python) || exit 1; echo "using $$py"; rm -rf $(VENV); "$$py" -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,pinned]'
+	$(PY) -m pip install -q -e '.[test,pinned,plot]'
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/jfusedq demo
+	$(VENV)/bin/jfusedq run
 
 test: $(STAMP) hf-reference
 	$(PY) -m pytest -n auto -q tests
 
 # The same suite on the newest JAX/flax releases, in a separate environment.
-test-latest:
+test-latest: hf-reference
 	@py=$$(.ci/find-python) || exit 1; rm -rf .venv-latest; "$$py" -m venv .venv-latest
 	.venv-latest/bin/python -m pip install -q --upgrade pip
-	.venv-latest/bin/python -m pip install -q --upgrade -e '.[test]' jax jaxlib flax
+	.venv-latest/bin/python -m pip install -q --upgrade -e '.[test,plot]' jax jaxlib flax
 	.venv-latest/bin/python -m pytest -n auto -q tests
 
 # The Hugging Face reference the DeepSeek-V3 tests compare against: a tiny random

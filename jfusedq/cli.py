@@ -1,8 +1,15 @@
-"""Command line: `jfusedq demo` runs the fused op on the default device and times it."""
+"""Command line.
+
+  jfusedq run    a model's jit-compiled prefill + decode, fused vs unfused (the main job)
+  jfusedq demo   the fused add + RMSNorm + FP8 quant op alone, on the default device
+  jfusedq plot   a PNG of a benchmark results file
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 
@@ -62,6 +69,63 @@ def demo(args) -> int:
   return 0
 
 
+def run(args) -> int:
+  if args.tp > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # Simulated CPU devices for --tp on a machine without accelerators; ignored by GPU backends.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={args.tp}").strip()
+  from models import run as runner  # the models package is imported only for this command
+
+  if args.tp > jax.device_count():
+    print(f"--tp {args.tp} needs {args.tp} devices; {jax.device_count()} available",
+          file=sys.stderr)
+    return 2
+  result = runner.run(args.model if not args.checkpoint else None, args.checkpoint,
+                      batch=args.batch, prompt_len=args.prompt_len, steps=args.steps, tp=args.tp,
+                      compare=args.compare, quantize=not args.bf16, seed=args.seed)
+  print(runner.table(result))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(runner.to_json(result), f, indent=1, default=float)
+    print(f"wrote {args.json}")
+  return 0
+
+
+def plot(args) -> int:
+  """PNG of a benchmark results file: time per case for each implementation."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("jfusedq plot needs matplotlib: pip install 'jfusedq[plot]'", file=sys.stderr)
+    return 2
+  with open(args.results) as f:
+    doc = json.load(f)
+  cases = list(dict.fromkeys(json.dumps(r["case"], sort_keys=True) for r in doc["rows"]))
+  impls = list(dict.fromkeys(r["impl"] for r in doc["rows"] if "(" not in r["impl"]))
+  fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(cases)), 5))
+  width = 0.8 / max(len(impls), 1)
+  for j, impl in enumerate(impls):
+    by_case = {json.dumps(r["case"], sort_keys=True): r for r in doc["rows"] if r["impl"] == impl}
+    xs = [i for i, c in enumerate(cases) if c in by_case]
+    ax.bar([x + j * width for x in xs], [by_case[cases[x]]["time_us"] for x in xs], width,
+           label=impl)
+  ax.set_yscale("log")
+  ax.set_ylabel("time per call (us)")
+  labels = [",".join(f"{k}={v}" for k, v in json.loads(c).items() if k in ("T", "H", "H2", "M",
+                                                                           "N", "K"))
+            for c in cases]
+  ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], labels, rotation=70,
+                fontsize=7)
+  ax.set_title(f"{doc['benchmark']} on {doc['device']} (jax {doc['jax']}, {doc['date']})")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(args.out, dpi=120)
+  print(f"wrote {args.out}")
+  return 0
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="jfusedq")
   sub = ap.add_subparsers(dest="cmd", required=True)
@@ -70,8 +134,24 @@ def main(argv=None) -> int:
   d.add_argument("--hidden", type=int, default=7168)
   d.add_argument("--reps", type=int, default=20)
   d.add_argument("--seed", type=int, default=0)
+  r = sub.add_parser("run", help="model prefill + decode, fused vs unfused, with kernel counts")
+  r.add_argument("--model", default="deepseek-v3-tiny",
+                 help="preset: deepseek-v3-tiny, deepseek-v3-layers, ...")
+  r.add_argument("--checkpoint", help="a Hugging Face checkpoint directory instead of a preset")
+  r.add_argument("--batch", type=int, default=2)
+  r.add_argument("--prompt-len", type=int, default=16)
+  r.add_argument("--steps", type=int, default=8, help="decode steps")
+  r.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
+  r.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                 help="also run the unfused path and compare (default on)")
+  r.add_argument("--bf16", action="store_true", help="unquantised (bf16) projections")
+  r.add_argument("--json", help="write the results to this file")
+  r.add_argument("--seed", type=int, default=0)
+  p = sub.add_parser("plot", help="PNG of a benchmarks/results/*.json file")
+  p.add_argument("results")
+  p.add_argument("--out", default="benchmark.png")
   args = ap.parse_args(argv)
-  return demo(args)
+  return {"demo": demo, "run": run, "plot": plot}[args.cmd](args)
 
 
 if __name__ == "__main__":

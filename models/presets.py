@@ -1,0 +1,35 @@
+"""Named model configurations for the `jfusedq run` command and the decode benchmark.
+
+`*-tiny`: CPU-sized, random weights, every code path of the model (MoE, dense layers, MLA or
+GDN + attention). `*-layers`: the released models' real layer shapes (hidden sizes, heads,
+LoRA ranks, expert sizes) with few layers and fewer experts, for GPUs.
+"""
+
+from __future__ import annotations
+
+DEEPSEEK_V3_TINY = dict(
+    vocab_size=512, hidden_size=256, intermediate_size=1024, moe_intermediate_size=256,
+    num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8,
+    q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64,
+    v_head_dim=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+    topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                         original_max_position_embeddings=1024, beta_fast=32, beta_slow=1,
+                         mscale=1.0, mscale_all_dim=1.0))
+
+# DeepSeek-V3 671B's layer shapes; 4 layers (1 dense + 3 MoE) and 16 of its 256 experts.
+DEEPSEEK_V3_LAYERS = dict(
+    DEEPSEEK_V3_TINY, vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+    moe_intermediate_size=2048, num_hidden_layers=4, num_attention_heads=128,
+    num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16, num_experts_per_tok=8, n_group=8,
+    topk_group=4, max_position_embeddings=163840,
+    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
+                         original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                         mscale=1.0, mscale_all_dim=1.0))
+
+PRESETS = {
+    "deepseek-v3-tiny": ("deepseek_v3", DEEPSEEK_V3_TINY),
+    "deepseek-v3-layers": ("deepseek_v3", DEEPSEEK_V3_LAYERS),
+}

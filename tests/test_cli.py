@@ -1,0 +1,53 @@
+"""The command line: `run` (fused vs unfused model, kernel counts, agreement), `plot`, `demo`."""
+
+import json
+import pathlib
+
+import pytest
+
+from jfusedq.cli import main
+
+
+def test_run_fused_vs_unfused(tmp_path, capsys):
+  out = tmp_path / "run.json"
+  assert main(["run", "--model", "deepseek-v3-tiny", "--batch", "1", "--prompt-len", "4",
+               "--steps", "2", "--json", str(out)]) == 0
+  table = capsys.readouterr().out
+  assert "kernels per layer saved by the fused path" in table
+  r = json.loads(out.read_text())
+  fused, unfused = r["fused"], r["unfused"]
+  # The fused prepare_attn / prepare_mlp and the MLA dual norm drop kernels in every layer.
+  assert fused["kernels"]["total"] < unfused["kernels"]["total"]
+  assert r["kernels_saved_per_layer"] > 0
+  # Same weights, same tokens; only where the norm output is rounded before quantisation
+  # differs, so the argmax rarely moves even on a random model.
+  assert r["agreement"]["top1"] >= 0.5 and r["agreement"]["kl"] < 0.5
+  assert fused["decode_ms"] > 0 and fused["prefill_ms"] > 0
+
+
+def test_run_tensor_parallel_reports_strategy(tmp_path):
+  out = tmp_path / "tp.json"
+  assert main(["run", "--tp", "2", "--batch", "1", "--prompt-len", "4", "--steps", "1",
+               "--no-compare", "--json", str(out)]) == 0
+  r = json.loads(out.read_text())
+  assert r["allreduce_strategy"] == "fused" and r["fused"]["kernels"]["collective"] > 0
+  assert "unfused" not in r
+
+
+def test_run_errors(capsys):
+  with pytest.raises(ValueError, match="unknown preset"):
+    main(["run", "--model", "llama-tiny", "--steps", "1"])
+  assert main(["run", "--tp", "64", "--steps", "1"]) == 2
+  assert "needs 64 devices" in capsys.readouterr().err
+
+
+def test_plot(tmp_path):
+  png = tmp_path / "rq.png"
+  results = pathlib.Path(__file__).parent.parent / "benchmarks/results/rmsnorm_quant.json"
+  assert main(["plot", str(results), "--out", str(png)]) == 0
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo(capsys):
+  assert main(["demo", "--tokens", "4", "--hidden", "576", "--reps", "2"]) == 0
+  assert "pallas vs xla: agree" in capsys.readouterr().out
