@@ -42,7 +42,10 @@ $(HF_STAMP):
 $(HF_REF)/meta.json: $(HF_STAMP) tests/models/hf_reference.py
 	$(HF_VENV)/bin/python tests/models/hf_reference.py $(HF_REF)
 
-hf-reference: $(HF_REF)/meta.json
+$(HF_REF)_qwen3_5/meta.json: $(HF_STAMP) tests/models/hf_reference_qwen3_5.py
+	$(HF_VENV)/bin/python tests/models/hf_reference_qwen3_5.py $(HF_REF)_qwen3_5
+
+hf-reference: $(HF_REF)/meta.json $(HF_REF)_qwen3_5/meta.json
 
 clean:
 	rm -rf $(VENV) .venv-latest

@@ -29,7 +29,28 @@ DEEPSEEK_V3_LAYERS = dict(
                          original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
                          mscale=1.0, mscale_all_dim=1.0))
 
+QWEN3_5_TINY = dict(
+    model_type="qwen3_5_moe_text", vocab_size=512, hidden_size=256, num_hidden_layers=4,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=128, linear_conv_kernel_dim=4,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=4,
+    linear_num_value_heads=8, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+    num_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    max_position_embeddings=4096,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
+
+# Qwen3.5-397B-A17B's layer shapes (hidden 4096, GDN 16 key / 64 value heads of 128, attention
+# 32 heads of 256 with 2 KV heads, experts of 1024); 4 layers (3 GDN + 1 attention) and 16 of
+# its 512 experts.
+QWEN3_5_LAYERS = dict(
+    QWEN3_5_TINY, vocab_size=248320, hidden_size=4096, num_attention_heads=32,
+    num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=64,
+    moe_intermediate_size=1024, shared_expert_intermediate_size=1024, num_experts=16,
+    num_experts_per_tok=10, max_position_embeddings=262144,
+    rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25))
+
 PRESETS = {
     "deepseek-v3-tiny": ("deepseek_v3", DEEPSEEK_V3_TINY),
     "deepseek-v3-layers": ("deepseek_v3", DEEPSEEK_V3_LAYERS),
+    "qwen3.5-tiny": ("qwen3_5", QWEN3_5_TINY),
+    "qwen3.5-layers": ("qwen3_5", QWEN3_5_LAYERS),
 }

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
+import os
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,53 +27,69 @@ from jfusedq.checkpoint import QuantConfig
 from jfusedq.hlo import kernel_counts
 from models.presets import PRESETS
 
-# model module -> (config class, causal-LM class) names
-_MODELS = {"deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
+_MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "qwen3_5_moe": "qwen3_5",
+                "qwen3_5_moe_text": "qwen3_5", "qwen3_next": "qwen3_5"}
 
 
 @dataclasses.dataclass
 class Built:
-  module: object
+  """A model and how to drive it: `forward(tp)` -> f(tokens, cache, pos) -> (logits, cache)."""
+
+  name: str  # model module: "deepseek_v3" or "qwen3_5"
   model: nnx.Module
   layers: int
+  make: Callable[[bool], nnx.Module]  # rebuild with another fused setting (same weights)
 
 
 def build(preset: str | None = None, checkpoint: str | None = None, *, quantize: bool = True,
-          dtype=jnp.bfloat16, seed: int = 0) -> Built:
-  """A model from a preset (random weights) or a Hugging Face checkpoint directory."""
+          fused: bool = True, tp: int = 1, dtype=jnp.bfloat16, seed: int = 0) -> Built:
+  """A model from a preset (random weights from `seed`) or a Hugging Face checkpoint."""
   if checkpoint:
-    import json
-    import os
     with open(os.path.join(checkpoint, "config.json")) as f:
       mtype = json.load(f).get("model_type", "")
-    name = {"deepseek_v3": "deepseek_v3"}.get(mtype)
-    if name is None:
+    if mtype not in _MODEL_TYPES:
       raise ValueError(f"{checkpoint}: model_type {mtype!r} is not supported "
-                       f"(supported: {sorted(_MODELS)})")
-    module = importlib.import_module(f"models.{name}")
-    model = module.from_pretrained(checkpoint, quantize=quantize or None, dtype=dtype)
+                       f"(supported: {sorted(_MODEL_TYPES)})")
+    name, hf = _MODEL_TYPES[mtype], None
   else:
     if preset not in PRESETS:
       raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     name, hf = PRESETS[preset]
-    module = importlib.import_module(f"models.{name}")
-    cfg_cls, lm_cls = (getattr(module, n) for n in _MODELS[name])
+  module = importlib.import_module(f"models.{name}")
+  tp_kw = {"tp_axis": "tp"} if name == "qwen3_5" and tp > 1 else {}
+
+  def make(fused: bool) -> nnx.Module:
+    if checkpoint and name == "deepseek_v3":
+      return module.from_pretrained(checkpoint, quantize=quantize or None, fused=fused,
+                                    dtype=dtype)
+    if checkpoint:
+      return module.from_pretrained(checkpoint, fp8=quantize, fused=fused, dtype=dtype,
+                                    **tp_kw)
     quant = QuantConfig(default_format()) if quantize else None
-    model = lm_cls(cfg_cls.from_hf(hf), quant=quant, dtype=dtype,
-                   rngs=nnx.Rngs(seed))
-  return Built(module, model, model.cfg.num_hidden_layers)
+    if name == "deepseek_v3":
+      return module.DeepseekV3ForCausalLM(module.DeepseekV3Config.from_hf(hf), quant=quant,
+                                          fused=fused, dtype=dtype, rngs=nnx.Rngs(seed))
+    return module.Qwen35ForCausalLM(module.Qwen35Config.from_hf(hf), quant=quant, fused=fused,
+                                    dtype=dtype, rngs=nnx.Rngs(seed), **tp_kw)
+
+  model = make(fused)
+  cfg = model.cfg
+  return Built(name, model, getattr(cfg, "num_hidden_layers", None) or cfg.num_layers, make)
 
 
-def _forward(built: Built, tp: int):
-  """forward(tokens, cache, pos) -> (logits, cache) for the model's current fused setting."""
+def _forward(built: Built, model: nnx.Module, tp: int):
+  """forward(tokens, cache, pos) -> (logits, cache) for `model` on `tp` devices."""
   if tp > 1:
     mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp])
-    return built.module.shard_forward(built.model, mesh, "tp", with_cache=True)
-  graphdef, state = nnx.split(built.model)
+    module = importlib.import_module(f"models.{built.name}")
+    if built.name == "qwen3_5":
+      return module.tp_apply(model, mesh, with_cache=True)
+    return module.shard_forward(model, mesh, "tp", with_cache=True)
+  graphdef, state = nnx.split(model)
 
   def forward(tokens, cache, pos):
-    out = nnx.merge(graphdef, state)(tokens, cache=cache, pos=pos)
-    return out.logits, out.cache
+    logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache, pos=pos)
+    return logits, cache
 
   return forward
 
@@ -87,12 +106,12 @@ def _progress(i: int, n: int, label: str) -> None:
 def run_one(built: Built, fused: bool, tokens: jax.Array, steps: int, tp: int,
             forced: np.ndarray | None = None) -> dict:
   """Prefill `tokens [B, T]`, then `steps` greedy decode steps (or the `forced` tokens)."""
-  built.model.set_fused(fused)
+  model = built.model if fused else built.make(False)
   b, t = tokens.shape
-  forward = _forward(built, tp)
+  forward = _forward(built, model, tp)
   prefill = jax.jit(lambda tok, cache: forward(tok, cache, 0))
   decode = jax.jit(forward)
-  cache = built.model.init_cache(b, t + steps)
+  cache = model.init_cache(b, t + steps)
   t0 = time.perf_counter()
   prefill_c = prefill.lower(tokens, cache).compile()
   decode_c = decode.lower(tokens[:, :1], cache, jnp.int32(t)).compile()
@@ -133,7 +152,7 @@ def agreement(a: np.ndarray, b: np.ndarray) -> dict:
 
 def run(preset=None, checkpoint=None, *, batch=2, prompt_len=16, steps=8, tp=1, compare=True,
         quantize=True, seed=0) -> dict:
-  built = build(preset, checkpoint, quantize=quantize, seed=seed)
+  built = build(preset, checkpoint, quantize=quantize, tp=tp, seed=seed)
   vocab = built.model.cfg.vocab_size
   tokens = jax.random.randint(jax.random.key(seed + 1), (batch, prompt_len), 0, vocab, jnp.int32)
   fused = run_one(built, True, tokens, steps, tp)

@@ -8,15 +8,16 @@ import pytest
 from jfusedq.cli import main
 
 
-def test_run_fused_vs_unfused(tmp_path, capsys):
+@pytest.mark.parametrize("preset", ["deepseek-v3-tiny", "qwen3.5-tiny"])
+def test_run_fused_vs_unfused(tmp_path, capsys, preset):
   out = tmp_path / "run.json"
-  assert main(["run", "--model", "deepseek-v3-tiny", "--batch", "1", "--prompt-len", "4",
+  assert main(["run", "--model", preset, "--batch", "1", "--prompt-len", "4",
                "--steps", "2", "--json", str(out)]) == 0
   table = capsys.readouterr().out
   assert "kernels per layer saved by the fused path" in table
   r = json.loads(out.read_text())
   fused, unfused = r["fused"], r["unfused"]
-  # The fused prepare_attn / prepare_mlp and the MLA dual norm drop kernels in every layer.
+  # The fused prepare_attn / prepare_mlp (and MLA's dual norm) drop kernels in every layer.
   assert fused["kernels"]["total"] < unfused["kernels"]["total"]
   assert r["kernels_saved_per_layer"] > 0
   # Same weights, same tokens; only where the norm output is rounded before quantisation
