@@ -46,6 +46,8 @@ from safetensors.torch import save_file
 from transformers import (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3NextConfig,
                           Qwen3NextForCausalLM)
 
+from hf_reference import quantize_block  # the DeepSeek reference's, from this folder
+
 SEED = 20261201
 BATCH, SEQ = 2, 80
 
@@ -118,19 +120,6 @@ def init_weights(model: torch.nn.Module, gen: torch.Generator) -> None:
         gain = (3.0 if "lm_head" in name else 2.0 if name.endswith("mlp.gate.weight")
                 else OUT_GAIN if name.endswith(OUT_PROJ) else 1.0)
         p.copy_(torch.randn(p.shape, generator=gen) * gain / math.sqrt(p.shape[-1]))
-
-
-def quantize_block(w: torch.Tensor, block: int = 128):
-  """DeepSeek's block quantisation: w [N, K] -> (fp8 [N, K], scale_inv [ceil(N/b), ceil(K/b)])."""
-  n, k = w.shape
-  nb, kb = -(-n // block), -(-k // block)
-  wp = torch.zeros(nb * block, kb * block, dtype=torch.float32)
-  wp[:n, :k] = w.float()
-  blocks = wp.view(nb, block, kb, block)
-  scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-10) / 448.0
-  q = (blocks / scale[:, None, :, None]).clamp(-448.0, 448.0)
-  q = q.view(nb * block, kb * block)[:n, :k].to(torch.float8_e4m3fn)
-  return q.contiguous(), scale.contiguous()
 
 
 def read_dir(path: str) -> dict:
