@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One device call: the test suite on the GPU (lowering tests excluded: they are proved on CPU),
-# then the benchmarks named as arguments (default: all single-GPU ones). Everything lands in
-# $OUT (tests.log, junit.xml, <benchmark>.json, <benchmark>.log).
+# One device call: the kernel tests on the GPU, then the benchmarks named as arguments
+# (default: the single-GPU ones). Everything lands in $OUT (tests.log, junit.xml,
+# <benchmark>.json, <benchmark>.log). Left out, as proved on CPU: lowering tests (abstract
+# devices), tests/parallel and test_hlo (meshes of simulated CPU devices), tests/models (they read the
+# HF reference under build/, too big to carry). BENCH_ARGS adds flags (e.g. --sweep).
 # Usage on the device: bash benchmarks/gpu_run.sh <commit-sha> [rmsnorm_quant fp8_matmul ...]
 set -uo pipefail
 commit=${1:?commit sha of the code being measured}; shift
@@ -9,10 +11,13 @@ benches=("${@:-rmsnorm_quant fp8_matmul}")
 export PYTHONUNBUFFERED=1
 out=${OUT:-out}; mkdir -p "$out"
 # Eight workers share the GPU: cap each one's memory pool instead of preallocating 75%.
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.08 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n 8 -q -rf \
-  -p no:cacheprovider -p no:benchmark -m "not lowering" --junitxml="$out/junit.xml" tests \
-  2>&1 | grep -v -e PytestBenchmarkWarning -e "warner(" | tee "$out/tests.log" | tail -20
+# -v prints each result as it lands, so a run cut off by the timeout still names its failures.
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.08 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n 8 -v -rf \
+  -p no:cacheprovider -p no:benchmark -m "not lowering" --junitxml="$out/junit.xml" \
+  tests/ops tests/nn tests/test_fp8.py \
+  2>&1 | tee "$out/tests.log" | grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" | tail -30
 for b in ${benches[@]}; do
   timeout "${BENCH_TIMEOUT:-300}" python3 "benchmarks/$b.py" --out "$out" --commit "$commit" \
+    ${BENCH_ARGS:-} \
     2>&1 | tee "$out/$b.log" | tail -40
 done
