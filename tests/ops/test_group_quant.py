@@ -43,6 +43,20 @@ def test_options_and_batch_dims(impl, opt, shape):
     assert np.all(m == 0.5), "UE8M0 scales must be powers of two"
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
+def test_ue8m0_exact_powers_of_two(impl, fmt):
+  """Groups whose amax / fp8_max is exactly a power of two keep that scale, not the next one
+  (amax = 1.75 * 2**j, common in bf16, makes amax / 448 exact; 240 = 1.875 * 2**7 likewise)."""
+  fmt = FORMATS[fmt]
+  peaks = fmt.max * 2.0 ** np.arange(-12, -4)  # one exact peak per group, the rest below it
+  x = rng("ue8m0-exact", fmt.name).uniform(-0.9, 0.9, (6, 1024)) * np.repeat(peaks, 128)
+  x = jnp.asarray(x, jnp.bfloat16).at[:, ::128].set(jnp.asarray(peaks, jnp.bfloat16))
+  got = group_quant(x, fmt=fmt, ue8m0=True, implementation=impl)
+  np.testing.assert_array_equal(np.asarray(got.scale), np.broadcast_to(peaks / fmt.max, (6, 8)))
+  assert_quant_close(got, group_quant(x, fmt=fmt, ue8m0=True, implementation="xla"))
+
+
 @pytest.mark.parametrize("case", ["fn", "fnuz_ue8m0", "fnuz224_g64"])
 def test_reference_matches_float64_oracle(case):
   fmt, ue8m0, g = {"fn": ("e4m3fn", False, 128), "fnuz_ue8m0": ("e4m3fnuz", True, 128),
