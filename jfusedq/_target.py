@@ -31,6 +31,11 @@ def current() -> Target:
   return Target(_normalise(d.platform, d), d.device_kind)
 
 
+def interpret() -> bool:
+  """Whether Pallas kernels run in interpret mode: on CPU, where they are correct, not fast."""
+  return current().platform == "cpu"
+
+
 def _normalise(platform: str, device=None) -> str:
   platform = platform.lower()
   if platform == "gpu":

@@ -61,9 +61,8 @@ from jax.sharding import PartitionSpec as P
 from jfusedq.checkpoint import (Checkpoint, CheckpointError, QuantConfig, TensorMismatchError,
                                 load_array, load_linear)
 from jfusedq.fp8 import Fp8Format, QuantizedActivation
-from jfusedq.nn import Fp8Linear, Linear, quantize_weight
+from jfusedq.nn import Fp8Linear, Linear, StackedLinear
 from jfusedq.nn.norm import RMSNorm
-from jfusedq.ops.fp8_matmul import fp8_matmul
 from jfusedq.ops.rmsnorm_quant import rmsnorm_quant
 from jfusedq.parallel import allreduce_rmsnorm_quant
 
@@ -323,54 +322,6 @@ class DeepseekV3MLP(nnx.Module):
     g, u = self.gate_proj(x), self.up_proj(x)
     h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(self.dtype)
     return self.down_proj(h)
-
-
-class StackedLinear(nnx.Module):
-  """E projections with stacked weights: `y[e] = x W[e]^T`, W `[E, N, K]` (HF layout).
-
-  FP8 (`fmt` given): `weight [E, N, K]` fp8 and `weight_scale_inv [E, ceil(N/128),
-  ceil(K/128)]` f32, one block-scaled GEMM per expert; else `weight` in param_dtype.
-  `__call__`: every expert on every row; `gathered`: only the experts `idx` picks per row.
-  """
-
-  def __init__(self, num: int, in_features: int, out_features: int, *,
-               fmt: Fp8Format | None, dtype, param_dtype, implementation=None, rngs: nnx.Rngs):
-    w = _normal(rngs.params(), (num, out_features, in_features), jnp.float32) / in_features**0.5
-    if fmt is not None:
-      q, s = jax.vmap(lambda a: quantize_weight(a, fmt))(w)
-      self.weight, self.weight_scale_inv = nnx.Param(q), nnx.Param(s)
-    else:
-      self.weight, self.weight_scale_inv = nnx.Param(w.astype(param_dtype)), None
-    self.fmt, self.dtype, self.implementation = fmt, dtype, implementation
-
-  def _mm(self, a, w, s):
-    return fp8_matmul(a, w, s, out_dtype=self.dtype, implementation=self.implementation)
-
-  def _dense(self, x, w, spec: str) -> jax.Array:
-    if isinstance(x, QuantizedActivation):
-      x = x.hp  # only FP8 experts take the codes; bf16 ones read the high-precision copy
-    y = jnp.einsum(spec, x.astype(self.dtype), w.astype(self.dtype),
-                   preferred_element_type=jnp.float32)
-    return y.astype(self.dtype)
-
-  def __call__(self, x, *, batched: bool = False) -> jax.Array:
-    """x `[..., K]` (array or QuantizedActivation), or `[E, ..., K]` with `batched` ->
-    `[E, ..., N]`."""
-    w = self.weight[...]
-    if self.fmt is not None:
-      return jax.vmap(self._mm, in_axes=(0 if batched else None, 0, 0))(
-          x, w, self.weight_scale_inv[...])
-    return self._dense(x, w, "e...k,enk->e...n" if batched else "...k,enk->e...n")
-
-  def gathered(self, x, idx: jax.Array, *, batched: bool = False) -> jax.Array:
-    """Row m through experts idx[m]: x `[M, K]` (or `[M, k, K]` with `batched`), idx `[M, k]`
-    -> `[M, k, N]`. Reads M * k weight matrices, not E: the decode path."""
-    w = self.weight[...][idx]  # [M, k, N, K]
-    if self.fmt is None:
-      return self._dense(x, w, "mjk,mjnk->mjn" if batched else "mk,mjnk->mjn")
-    s = self.weight_scale_inv[...][idx]
-    per_row = jax.vmap(self._mm, in_axes=(0 if batched else None, 0, 0))  # over k
-    return jax.vmap(per_row)(x, w, s)  # over rows
 
 
 class DeepseekV3TopkRouter(nnx.Module):

@@ -53,13 +53,13 @@ from jax.sharding import PartitionSpec as P
 
 from jfusedq.checkpoint import (Checkpoint, CheckpointError, MissingTensorError, QuantConfig,
                                 TensorMismatchError, load_array, load_linear)
-from jfusedq.fp8 import Fp8Format, QuantizedActivation
-from jfusedq.nn import Fp8Linear, Linear, quantize_weight
-from jfusedq.ops.fp8_matmul import fp8_matmul
+from jfusedq.fp8 import Fp8Format
+from jfusedq.nn import Fp8Linear, Linear, StackedLinear, high_precision, quantize_weight
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
 from jfusedq.ops.gated_delta_rule import gated_delta_rule
 from jfusedq.ops.rmsnorm import rmsnorm
 from jfusedq.ops.rmsnorm_quant import rmsnorm_quant
+from jfusedq.ops.rmsnorm_quant.reference import rmsnorm as rmsnorm_f32
 from jfusedq.parallel import allreduce_rmsnorm_quant
 
 BLOCK = 128
@@ -173,22 +173,6 @@ class Qwen35Config:
 # --- small pieces ---------------------------------------------------------------------------
 
 
-def _rmsnorm_f32(x, w, eps: float, offset: float):
-  """`x / rms(x) * (w + offset)` in f32 over the last axis (HF: `(x * w).to(dtype)`)."""
-  x = x.astype(jnp.float32)
-  y = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-  return y * (w.astype(jnp.float32) + offset)
-
-
-def _hp(x):
-  """The high-precision view of a projection input (bf16 copy of a quantised activation)."""
-  if isinstance(x, QuantizedActivation):
-    if x.hp is None:
-      raise ValueError("a high-precision consumer got a QuantizedActivation without hp")
-    return x.hp
-  return x
-
-
 @dataclasses.dataclass(frozen=True)
 class _Ctx:
   """Build options shared by every module (static)."""
@@ -228,36 +212,6 @@ def _apply_rope(x, pos, rotary_dim: int, theta: float):
   d = rotary_dim // 2
   x1, x2, rest = x[..., :d], x[..., d:rotary_dim], x[..., rotary_dim:]
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
-
-
-class Experts(nnx.Module):
-  """E stacked projections `y_e [..., N] = x [..., K] W_e^T`, weight `[E, N, K]`.
-
-  FP8: `weight [E, N, K]` fp8 with `weight_scale_inv [E, ceil(N/128), ceil(K/128)]` (each
-  expert block-scaled as `Fp8Linear`). Input: one `x [..., K]` shared by all experts (array or
-  QuantizedActivation), or per expert `x [E, ..., K]` (`per_expert=True`). Output `[E, ..., N]`.
-  """
-
-  def __init__(self, num: int, k: int, n: int, *, fmt: Fp8Format | None, dtype=jnp.bfloat16,
-               param_dtype=jnp.bfloat16, implementation: Impl = None, rngs: nnx.Rngs):
-    init = nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=(0,))
-    w = init(rngs.params(), (num, n, k), jnp.float32)
-    if fmt is not None:
-      q, s = jax.vmap(lambda a: quantize_weight(a, fmt))(w)
-      self.weight, self.weight_scale_inv = nnx.Param(q), nnx.Param(s)
-    else:
-      self.weight, self.weight_scale_inv = nnx.Param(w.astype(param_dtype)), None
-    self.dtype, self.implementation = dtype, implementation
-
-  def __call__(self, x, *, per_expert: bool = False) -> jax.Array:
-    if self.weight_scale_inv is None:
-      eq = "e...k,enk->e...n" if per_expert else "...k,enk->e...n"
-      return jnp.einsum(eq, _hp(x).astype(self.dtype), self.weight[...].astype(self.dtype),
-                        preferred_element_type=jnp.float32).astype(self.dtype)
-    mm = lambda a, w, s: fp8_matmul(a, w, s, out_dtype=self.dtype,
-                                    implementation=self.implementation)
-    return jax.vmap(mm, in_axes=(0 if per_expert else None, 0, 0))(
-        x, self.weight[...], self.weight_scale_inv[...])
 
 
 # --- mixers ---------------------------------------------------------------------------------
@@ -315,7 +269,7 @@ class GatedDeltaNet(nnx.Module):
 
   def __call__(self, x, cache: dict | None = None, *, mode: str | None = None):
     qkvz = self.in_proj_qkvz(x)
-    ba = self.in_proj_ba(_hp(x))
+    ba = self.in_proj_ba(high_precision(x))
     b, t, _ = qkvz.shape
     dk, dv, r = self.dk, self.dv, self.r
     qkvz = qkvz.reshape(b, t, -1, 2 * dk + 2 * r * dv)  # [B, T, Hk, per-group rows]
@@ -337,7 +291,7 @@ class GatedDeltaNet(nnx.Module):
                                 chunk_size=CHUNK,
                                 initial_state=None if cache is None else cache["state"])
     # HF RMSNormGated: the normalised value is rounded to the activation dtype before the weight.
-    o = _rmsnorm_f32(o, jnp.ones(()), self.eps, 0.0).astype(self.dtype)
+    o = rmsnorm_f32(o, jnp.ones(()), self.eps, 0.0).astype(self.dtype)
     o = (self.norm_weight[...].astype(self.dtype) * o).astype(jnp.float32) * jax.nn.silu(
         z.astype(jnp.float32))
     out = self.out_proj(o.astype(self.dtype).reshape(b, t, -1))
@@ -389,8 +343,8 @@ class Attention(nnx.Module):
     q, gate = qg[..., :d], qg[..., d:].reshape(b, t, -1)
     k = self.k_proj(x).reshape(b, t, -1, d)
     v = self.v_proj(x).reshape(b, t, -1, d)
-    q = _rmsnorm_f32(q, self.q_norm[...], self.eps, 1.0).astype(self.dtype)
-    k = _rmsnorm_f32(k, self.k_norm[...], self.eps, 1.0).astype(self.dtype)
+    q = rmsnorm_f32(q, self.q_norm[...], self.eps, 1.0).astype(self.dtype)
+    k = rmsnorm_f32(k, self.k_norm[...], self.eps, 1.0).astype(self.dtype)
     q = _apply_rope(q, pos, self.rotary_dim, self.theta)
     k = _apply_rope(k, pos, self.rotary_dim, self.theta)
     new = None
@@ -462,11 +416,12 @@ class SparseMoe(nnx.Module):
     fp8 = any(ctx.fp8(f"{name}experts.{i}.{p}") for i in range(e)
               for p in ("gate_proj", "up_proj", "down_proj"))
     fmt = ctx.quant.fmt if fp8 else None
-    kw = dict(fmt=fmt, dtype=ctx.dtype, param_dtype=ctx.param_dtype, implementation=ctx.impl,
-              rngs=rngs)
-    self.experts_gate = Experts(e, h, inter, **kw)
-    self.experts_up = Experts(e, h, inter, **kw)
-    self.experts_down = Experts(e, inter, h, **kw)
+    init = nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=(0,))
+    kw = dict(fmt=fmt, dtype=ctx.dtype, param_dtype=ctx.param_dtype, kernel_init=init,
+              implementation=ctx.impl, rngs=rngs)
+    self.experts_gate = StackedLinear(e, h, inter, **kw)
+    self.experts_up = StackedLinear(e, h, inter, **kw)
+    self.experts_down = StackedLinear(e, inter, h, **kw)
     self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, name + "shared_expert.",
                              ctx, rngs=rngs)
     self.shared_expert_gate = Linear(h, 1, dtype=jnp.float32, param_dtype=ctx.param_dtype,
@@ -475,7 +430,7 @@ class SparseMoe(nnx.Module):
   needs_hp = True  # the router reads the bf16 copy
 
   def __call__(self, x):
-    hp = _hp(x)
+    hp = high_precision(x)
     probs = jax.nn.softmax(self.gate(hp).astype(jnp.float32), axis=-1)  # [B, T, E]
     top, idx = lax.top_k(probs, self.top_k)
     if self.norm_topk:
@@ -485,7 +440,7 @@ class SparseMoe(nnx.Module):
     w = jnp.sum(jax.nn.one_hot(idx, probs.shape[-1], dtype=jnp.float32) * top[..., None], -2)
     g = self.experts_gate(x).astype(jnp.float32)
     a = (jax.nn.silu(g).astype(self.dtype) * self.experts_up(x)).astype(self.dtype)
-    y = self.experts_down(a, per_expert=True)  # [E, B, T, H]
+    y = self.experts_down(a, batched=True)  # [E, B, T, H]
     routed = jnp.einsum("e...h,...e->...h", y.astype(jnp.float32), w)
     shared = self.shared_expert(x).astype(jnp.float32) * jax.nn.sigmoid(
         self.shared_expert_gate(hp).astype(jnp.float32))
@@ -969,7 +924,7 @@ def from_pretrained(path: str | os.PathLike, *, fp8: bool = True,
 
 
 __all__ = [
-    "Attention", "DecoderLayer", "Experts", "GatedDeltaNet", "MLP", "Qwen35Config",
+    "Attention", "DecoderLayer", "GatedDeltaNet", "MLP", "Qwen35Config",
     "Qwen35ForCausalLM", "SparseMoe", "cache_specs", "check_tp", "from_pretrained",
     "partition_specs", "quant_config", "tp_apply",
 ]

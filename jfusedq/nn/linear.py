@@ -15,6 +15,21 @@ from jfusedq.ops.fp8_matmul import fp8_matmul
 _default_init = nnx.initializers.lecun_normal()
 
 
+def _scaled_normal(key, shape, dtype):
+  """N(0, 1 / K) for a weight `[..., N, K]`."""
+  return nnx.initializers.normal(1.0)(key, shape, dtype) / shape[-1]**0.5
+
+
+def high_precision(x: jax.Array | QuantizedActivation) -> jax.Array:
+  """The input a high-precision consumer reads: the array, or a quantised activation's `hp`."""
+  if isinstance(x, QuantizedActivation):
+    if x.hp is None:
+      raise ValueError("a high-precision projection got a QuantizedActivation without its "
+                       "high-precision copy (hp); produce it with keep_hp=True / keep_bf16=True")
+    return x.hp
+  return x
+
+
 class Fp8Linear(nnx.Module):
   """W8A8 projection with DeepSeek block scales: `y [..., N] = x [..., K] W^T`.
 
@@ -56,13 +71,57 @@ class Linear(nnx.Module):
     self.dtype = dtype
 
   def __call__(self, x: jax.Array | QuantizedActivation) -> jax.Array:
-    if isinstance(x, QuantizedActivation):
-      if x.hp is None:
-        raise ValueError("Linear got a QuantizedActivation without its high-precision copy "
-                         "(hp); produce it with keep_hp=True / keep_bf16=True")
-      x = x.hp
-    y = jnp.einsum("...k,nk->...n", x.astype(self.dtype), self.weight[...].astype(self.dtype),
-                   preferred_element_type=jnp.float32)
+    y = jnp.einsum("...k,nk->...n", high_precision(x).astype(self.dtype),
+                   self.weight[...].astype(self.dtype), preferred_element_type=jnp.float32)
     if self.bias is not None:
       y = y + self.bias[...].astype(jnp.float32)
     return y.astype(self.dtype)
+
+
+class StackedLinear(nnx.Module):
+  """E projections with stacked weights: `y[e] = x W[e]^T`, W `[E, N, K]` (HF layout): MoE experts.
+
+  FP8 (`fmt` given): `weight [E, N, K]` fp8 and `weight_scale_inv [E, ceil(N/128),
+  ceil(K/128)]` f32, one block-scaled GEMM per expert (as `Fp8Linear`); else `weight` in
+  param_dtype, read with the input's high-precision copy. `__call__`: every expert on every
+  row; `gathered`: only the experts `idx` picks per row.
+  """
+
+  def __init__(self, num: int, in_features: int, out_features: int, *,
+               fmt: Fp8Format | None, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+               kernel_init=_scaled_normal, implementation: str | Sequence[str] | None = None,
+               rngs: nnx.Rngs):
+    w = kernel_init(rngs.params(), (num, out_features, in_features), jnp.float32)
+    if fmt is not None:
+      q, s = jax.vmap(lambda a: quantize_weight(a, fmt))(w)
+      self.weight, self.weight_scale_inv = nnx.Param(q), nnx.Param(s)
+    else:
+      self.weight, self.weight_scale_inv = nnx.Param(w.astype(param_dtype)), None
+    self.fmt, self.dtype, self.implementation = fmt, dtype, implementation
+
+  def _mm(self, a, w, s):
+    return fp8_matmul(a, w, s, out_dtype=self.dtype, implementation=self.implementation)
+
+  def _dense(self, x, w, spec: str) -> jax.Array:
+    y = jnp.einsum(spec, high_precision(x).astype(self.dtype), w.astype(self.dtype),
+                   preferred_element_type=jnp.float32)
+    return y.astype(self.dtype)
+
+  def __call__(self, x, *, batched: bool = False) -> jax.Array:
+    """x `[..., K]` (array or QuantizedActivation), or `[E, ..., K]` with `batched` ->
+    `[E, ..., N]`."""
+    w = self.weight[...]
+    if self.fmt is not None:
+      return jax.vmap(self._mm, in_axes=(0 if batched else None, 0, 0))(
+          x, w, self.weight_scale_inv[...])
+    return self._dense(x, w, "e...k,enk->e...n" if batched else "...k,enk->e...n")
+
+  def gathered(self, x, idx: jax.Array, *, batched: bool = False) -> jax.Array:
+    """Row m through experts idx[m]: x `[M, K]` (or `[M, k, K]` with `batched`), idx `[M, k]`
+    -> `[M, k, N]`. Reads M * k weight matrices, not E: the decode path."""
+    w = self.weight[...][idx]  # [M, k, N, K]
+    if self.fmt is None:
+      return self._dense(x, w, "mjk,mjnk->mjn" if batched else "mk,mjnk->mjn")
+    s = self.weight_scale_inv[...][idx]
+    per_row = jax.vmap(self._mm, in_axes=(0 if batched else None, 0, 0))  # over k
+    return jax.vmap(per_row)(x, w, s)  # over rows

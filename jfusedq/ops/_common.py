@@ -12,9 +12,23 @@ def check_float(name: str, x) -> None:
     raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
 
 
+def is_pow2(v) -> bool:
+  return isinstance(v, int) and v >= 1 and not v & (v - 1)
+
+
+def pow2_floor(n: int) -> int:
+  """Largest power of two <= max(n, 1)."""
+  return 1 << (max(n, 1).bit_length() - 1)
+
+
+def pow2_divisor(n: int) -> int:
+  """Largest power of two dividing n (1 for 0)."""
+  return n & -n if n else 1
+
+
 def check_group_size(group_size) -> None:
   # Kernels tile rows in power-of-two arrays, so a group must be one to divide the tile.
-  if not isinstance(group_size, int) or group_size < 8 or group_size & (group_size - 1):
+  if not is_pow2(group_size) or group_size < 8:
     raise ValueError(f"group_size must be a power of two >= 8 (64 and 128 are used), got {group_size!r}")
 
 

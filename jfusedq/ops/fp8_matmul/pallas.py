@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jfusedq import _target
+from jfusedq.ops import _common
 
 BLOCK_K = 128  # = the scale block: one scale per activation row and weight block per step
 
@@ -37,7 +38,7 @@ class Config:
   def __post_init__(self):
     for name in ("block_m", "block_n", "k_splits", "num_warps"):
       v = getattr(self, name)
-      if not isinstance(v, int) or v < 1 or v & (v - 1):
+      if not _common.is_pow2(v):
         raise ValueError(f"Config.{name} must be a positive power of two, got {v!r}")
     if self.block_m < 16 or not 16 <= self.block_n <= BLOCK_K:
       raise ValueError(f"Config needs block_m >= 16 and 16 <= block_n <= {BLOCK_K} (one weight-"
@@ -69,15 +70,11 @@ def heuristics(m: int, n: int, k: int, device_kind: str | None = None) -> Config
     block_n = 64
     tiles = -(-m // block_m) * -(-n // block_n)
     want = max(1, 2 * _sm_count(device_kind) // tiles)
-    k_splits = min(1 << (want.bit_length() - 1), 1 << (kb.bit_length() - 1))
+    k_splits = min(_common.pow2_floor(want), _common.pow2_floor(kb))
     return Config(block_m, block_n, k_splits, num_warps=4, num_stages=4)
   if m <= 256:
     return Config(64, 128, 1, num_warps=4, num_stages=4)
   return Config(128, 128, 1, num_warps=8, num_stages=3)
-
-
-def interpret() -> bool:
-  return _target.current().platform == "cpu"
 
 
 def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: jax.Array,
@@ -132,7 +129,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
       out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                            num_stages=config.num_stages),
-      interpret=interpret(),
+      interpret=_target.interpret(),
       name="fp8_matmul",
   )(lax.bitcast_convert_type(qa, jnp.uint8), sa, lax.bitcast_convert_type(qw, jnp.uint8), sw)
   return out if splits == 1 else out.sum(axis=0).astype(out_dtype)

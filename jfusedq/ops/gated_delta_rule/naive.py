@@ -9,7 +9,6 @@ Per head, with state S [K, V] and for each token t (q_t scaled by `scale`):
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -20,6 +20,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jfusedq import _target
 from jfusedq.fp8 import E4M3FNUZ, Fp8Format, encode_e4m3fnuz
+from jfusedq.ops import _common
 from jfusedq.ops._dispatch import Unsupported
 
 MAX_CHUNKS = 64  # unrolled chunks per row; more means an odd width, left to XLA
@@ -37,23 +38,15 @@ class Config:
   def __post_init__(self):
     for name in ("block_rows", "num_warps"):
       v = getattr(self, name)
-      if not isinstance(v, int) or v < 1 or v & (v - 1):
+      if not _common.is_pow2(v):
         raise ValueError(f"Config.{name} must be a positive power of two, got {v!r}")
-
-
-def _pow2_floor(n: int) -> int:
-  return 1 << (max(n, 1).bit_length() - 1)
-
-
-def _pow2_divisor(n: int) -> int:
-  return n & -n if n else 1
 
 
 def chunk_width(k: int) -> int:
   """Columns per chunk for a row of width k; raises Unsupported if the row cannot be tiled."""
   if k > MAX_WIDTH:
     raise Unsupported(f"row width {k} > {MAX_WIDTH}")
-  c = _pow2_divisor(k)
+  c = _common.pow2_divisor(k)
   if k // c > MAX_CHUNKS:
     raise Unsupported(f"row width {k} splits into {k // c} power-of-two chunks (> {MAX_CHUNKS})")
   return c
@@ -61,8 +54,8 @@ def chunk_width(k: int) -> int:
 
 def heuristics(rows: int, width: int) -> Config:
   """~TILE elements per program, rows dividing `rows`, ~16 elements per thread."""
-  block_rows = min(_pow2_floor(TILE // max(width, 1)), _pow2_divisor(rows))
-  num_warps = min(16, max(4, _pow2_floor(block_rows * width // 512)))
+  block_rows = min(_common.pow2_floor(TILE // max(width, 1)), _common.pow2_divisor(rows))
+  num_warps = min(16, max(4, _common.pow2_floor(block_rows * width // 512)))
   return Config(block_rows, num_warps)
 
 
@@ -70,10 +63,6 @@ def check_config(config: Config, rows: int) -> None:
   if rows % config.block_rows:
     raise ValueError(f"Config.block_rows={config.block_rows} must divide the {rows} rows "
                      "(Pallas-Triton does not mask a partial block)")
-
-
-def interpret() -> bool:
-  return _target.current().platform == "cpu"
 
 
 def compiler_params(config: Config):
@@ -201,7 +190,7 @@ def group_quant(x: jax.Array, fmt: Fp8Format, *, group_size: int, layout: str, u
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=compiler_params(config),
-      interpret=interpret(),
+      interpret=_target.interpret(),
       name="group_quant",
   )(x)
   return to_fp8(q, fmt), scale

@@ -16,6 +16,7 @@ from jfusedq.ops._dispatch import dispatch
 from jfusedq.ops.group_quant import pallas as gq_pallas
 from jfusedq.ops.rmsnorm_quant import api as rq_api
 from jfusedq.ops.rmsnorm_quant import pallas as rq_pallas
+from jfusedq.ops.rmsnorm_quant.reference import add_residual
 from jfusedq.ops.rmsnorm_quant.reference import rmsnorm as rmsnorm_ref
 
 
@@ -35,9 +36,7 @@ def rmsnorm(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None = Non
   rq_api.check_inputs(x, weight, residual, 128, "row", None, None)
 
   def xla():
-    h = x
-    if residual is not None:
-      h = (x.astype("float32") + residual.astype("float32")).astype(x.dtype)
+    h = x if residual is None else add_residual(x, residual)
     y = rmsnorm_ref(h, weight, eps, weight_offset).astype(x.dtype)
     return RmsNormOutput(y, h if residual is not None else None)
 

@@ -6,7 +6,6 @@ import math
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 
 from jfusedq.fp8 import Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.ops import _common

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jfusedq import _target
 from jfusedq.fp8 import Fp8Format
 from jfusedq.ops.group_quant import pallas as gq
 
@@ -96,7 +97,7 @@ def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format | N
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=gq.compiler_params(config),
-      interpret=gq.interpret(),
+      interpret=_target.interpret(),
       name="rmsnorm_quant",
   )(*inputs)
   rest = list(outs)

@@ -17,6 +17,12 @@ class RmsNormQuantOutput(NamedTuple):
   norm2: jax.Array | None  # rmsnorm(x2) in x2.dtype, when a second input was given
 
 
+def add_residual(x: jax.Array, residual: jax.Array) -> jax.Array:
+  """x + residual in f32, rounded to x.dtype: the new residual stream, which the norm reads
+  (so the fused op equals the unfused `r = x + residual; rmsnorm(r)`, DESIGN.md 3.2 step 1)."""
+  return (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(x.dtype)
+
+
 def rmsnorm(h: jax.Array, weight: jax.Array, eps: float, weight_offset: float) -> jax.Array:
   """`h * rsqrt(mean(h^2) + eps) * (weight + weight_offset)`, in f32."""
   h = h.astype(jnp.float32)
@@ -30,9 +36,7 @@ def rmsnorm_quant(x, weight, *, residual=None, eps: float, weight_offset: float,
   residual_out = None
   h = x
   if residual is not None:
-    # The sum is rounded to the residual stream's dtype before the norm reads it, so the fused
-    # op equals the unfused `r = x + residual; rmsnorm(r)` (DESIGN.md 3.2 step 1).
-    residual_out = (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(x.dtype)
+    residual_out = add_residual(x, residual)
     h = residual_out
   y = rmsnorm(h, weight, eps, weight_offset)
   hp = y.astype(x.dtype) if keep_hp else None
