@@ -11,7 +11,11 @@ Implementations timed: `pallas` (input already quantised: the fused-norm handoff
 `pallas+quant` (bf16 input, quantised per call by group_quant), `xla_bf16` (bf16 x bf16 dot,
 unquantised weight), `xla_dequant` (dequantise the fp8 weight to bf16, then the bf16 dot).
 
-Run: python benchmarks/fp8_matmul.py [--out DIR] [--commit SHA] [--smoke]
+With --sweep, every case also times the Pallas kernel under the candidate tilings of
+`sweep_configs` (input already quantised) and writes fp8_matmul_sweep.json: the data the
+heuristics are set from.
+
+Run: python benchmarks/fp8_matmul.py [--out DIR] [--commit SHA] [--smoke] [--sweep]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from jfusedq import default_format, fp8_matmul, group_quant  # noqa: E402
 from jfusedq.nn import quantize_weight  # noqa: E402
 from jfusedq.ops.fp8_matmul import pallas as mm_pallas  # noqa: E402
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight  # noqa: E402
+from jfusedq.ops._common import pow2_floor  # noqa: E402
 from jfusedq.testing import rel_rms  # noqa: E402
 
 MS = (1, 16, 64, 256, 4096)
@@ -75,11 +80,55 @@ IMPLS = {
 }
 
 
+def sweep_configs(m: int, n: int, k: int) -> list[mm_pallas.Config]:
+  """The heuristic's pick and its neighbours: tile width, K split, warps, stages."""
+  h = mm_pallas.heuristics(m, n, k)
+  kb = -(-k // mm_pallas.BLOCK_K)
+  if m <= 64:
+    cands = [mm_pallas.Config(h.block_m, bn, s, 4, st)
+             for bn in (32, 64, 128)
+             for s in dict.fromkeys((max(1, h.k_splits // 2), h.k_splits,
+                                     min(2 * h.k_splits, pow2_floor(kb))))
+             for st in (4,)]
+  else:
+    cands = [mm_pallas.Config(bm, bn, 1, w, st)
+             for bm, bn, w, st in ((64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3),
+                                   (128, 128, 8, 4), (256, 128, 8, 3), (128, 64, 4, 4),
+                                   (64, 64, 4, 4))]
+  return [h] + [c for c in dict.fromkeys(cands) if c != h]
+
+
+def run_sweep(ms, nks, fp8_peak, bw, commit, out):
+  rows = []
+  print(f"\nsweep (pallas, quantised input): {'M':>5} {'N':>6} {'K':>6} {'us':>9} config")
+  for seed, ((n, k), m) in enumerate((nk, m) for nk in nks for m in ms):
+    make = make_problem(m, n, k, seed)
+    x, qa, qw, sw, wb = make(1)[0]
+    want = fp8_matmul(qa, qw, sw, implementation="xla")
+    flops = 2 * m * n * k
+    for cfg in sweep_configs(m, n, k):
+      op = lambda x, qa, qw, sw, wb, cfg=cfg: fp8_matmul(qa, qw, sw, implementation="pallas",
+                                                         config=cfg)
+      ok = rel_rms(op(x, qa, qw, sw, wb), want) <= 2.0**-8
+      t = _harness.measure(op, make, 5 if flops > 1e11 else 10)
+      sec = t["kernel_s"] or t["chain_s"]
+      rows.append(dict(case=dict(M=m, N=n, K=k), impl="pallas", time_us=round(sec * 1e6, 3),
+                       tbps=round(n * k / sec / 1e12, 3), tflops=round(flops / sec / 1e12, 1),
+                       roofline_frac=None, vs_xla=None, correct=bool(ok), config=str(cfg),
+                       heuristic=cfg == mm_pallas.heuristics(m, n, k)))
+      print(f"{m:>38} {n:>6} {k:>6} {sec * 1e6:9.2f} {cfg} {'' if ok else 'CHECK FAILED'}",
+            flush=True)
+    _harness.write_results("fp8_matmul_sweep", rows,
+                           {"copy_tbps": round(bw, 3), "fp8_peak_tflops": round(fp8_peak, 1)},
+                           commit, out)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--commit", default="unknown")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on CPU")
+  ap.add_argument("--sweep", action="store_true", help="only the tiling sweep (see docstring)")
   args = ap.parse_args()
   ms, nks = ((1, 16), ((256, 384),)) if args.smoke else (MS, NKS)
 
@@ -88,6 +137,8 @@ def main():
   fp8_peak = 2 * bf16
   print(f"device {jax.devices()[0].device_kind}: copy {bw:.2f} TB/s, bf16 dot {bf16:.0f} TFLOP/s,"
         f" FP8 peak taken as {fp8_peak:.0f} TFLOP/s")
+  if args.sweep:  # M = 16 tiles like M = 1 (block_m 16): left out to keep the run short
+    return run_sweep([m for m in ms if m != 16], nks, fp8_peak, bw, args.commit, args.out)
   print(__doc__.split("\n\n")[1])
   rows = []
   print(f"{'M':>5} {'N':>6} {'K':>6} {'impl':>13} {'us':>9} {'TFLOP/s':>8} {'wTB/s':>6} "
