@@ -32,7 +32,7 @@ def wall(fn, *args, reps: int = 7) -> float:
   return statistics.median(times)
 
 
-def measure(op: Callable, make_inputs: Callable[[int], list], n: int) -> dict:
+def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: bool = True) -> dict:
   """Time `op` two ways on distinct input sets, every output kept.
 
   chain_s:  device seconds per call by the N / 2N slope of wall time (dispatch cancels;
@@ -40,12 +40,18 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int) -> dict:
   kernel_s: kernel seconds per call and device summed from a profiler trace of the N-call jit
             (launch gaps excluded; averaged over the GPUs of an SPMD program), with
             kernels_per_call (per device); None where no GPU trace is available.
+  chain=False skips the slope (None), and so the second compile: for sweeps of Pallas
+  kernels, whose every call in the jit is a separate Triton compile.
   """
-  sets = make_inputs(2 * n)
+  sets = make_inputs(2 * n if chain else n)
   f = jax.jit(lambda sets: [op(*s) for s in sets])
-  t1 = wall(f, sets[:n])
-  t2 = wall(f, sets)
-  result = {"chain_s": max(t2 - t1, 1e-9) / n, "kernel_s": None, "kernels_per_call": None}
+  result = {"chain_s": None, "kernel_s": None, "kernels_per_call": None}
+  if chain:
+    t1 = wall(f, sets[:n])
+    t2 = wall(f, sets)
+    result["chain_s"] = max(t2 - t1, 1e-9) / n
+  else:
+    jax.block_until_ready(f(sets))
   with tempfile.TemporaryDirectory() as d:
     jax.profiler.start_trace(d)
     jax.block_until_ready(f(sets[:n]))
