@@ -32,7 +32,8 @@ def wall(fn, *args, reps: int = 7) -> float:
   return statistics.median(times)
 
 
-def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: bool = True) -> dict:
+def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: bool = True,
+            hlo: bool = False) -> dict:
   """Time `op` two ways on distinct input sets, every output kept.
 
   chain_s:  device seconds per call by the N / 2N slope of wall time (dispatch cancels;
@@ -42,6 +43,8 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
             kernels_per_call (per device); None where no GPU trace is available.
   chain=False skips the slope (None), and so the second compile: for sweeps of Pallas
   kernels, whose every call in the jit is a separate Triton compile.
+  top_kernels: the five kernels taking the most time, {name: us per call}: the profile that
+  explains a time. hlo=True adds the compiled N-call program's text (no extra compile).
   """
   sets = make_inputs(2 * n if chain else n)
   f = jax.jit(lambda sets: [op(*s) for s in sets])
@@ -51,14 +54,16 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
     t2 = wall(f, sets)
     result["chain_s"] = max(t2 - t1, 1e-9) / n
   else:
-    jax.block_until_ready(f(sets))
+    jax.block_until_ready(f(sets[:n]))
+  if hlo:
+    result["hlo"] = f.lower(sets[:n]).compile().as_text()
   with tempfile.TemporaryDirectory() as d:
     jax.profiler.start_trace(d)
     jax.block_until_ready(f(sets[:n]))
     jax.profiler.stop_trace()
     paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
     data = jax.profiler.ProfileData.from_file(paths[0]) if paths else None
-  total_ns, count, gpus = 0.0, 0, 0
+  total_ns, count, gpus, by_name = 0.0, 0, 0, {}
   for plane in data.planes if data else ():
     if plane.name.startswith("/device:GPU"):
       gpus += 1
@@ -67,8 +72,11 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
           for ev in line.events:
             total_ns += ev.duration_ns
             count += 1
+            by_name[ev.name] = by_name.get(ev.name, 0.0) + ev.duration_ns
   if count:
-    result.update(kernel_s=total_ns * 1e-9 / n / gpus, kernels_per_call=count / n / gpus)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:5]
+    result.update(kernel_s=total_ns * 1e-9 / n / gpus, kernels_per_call=count / n / gpus,
+                  top_kernels={k[:80]: round(v * 1e-3 / n / gpus, 3) for k, v in top})
   return result
 
 

@@ -170,8 +170,9 @@ def check(impl, mesh, make, keep, generic_out):
 
 
 def chain_len(nbytes):
-  """Calls per timed jit: enough for ~3 ms of work at ~0.3 TB/s per link, 5 to 20."""
-  return int(min(20, max(5, 3e-3 * 3e11 / max(nbytes, 1))))
+  """Calls per timed jit: enough for ~3 ms of work at ~0.3 TB/s per link, 5 to 10 (each Pallas
+  call in the jit compiles separately)."""
+  return int(min(10, max(5, 3e-3 * 3e11 / max(nbytes, 1))))
 
 
 def main():
@@ -233,7 +234,7 @@ def main():
           correct=ok, default=impl == default, link_bytes=int(nbytes),
           hbm_bytes=hbm_bytes(impl, t, h, n, keep),
           kernel_us=None if kern is None else round(kern * 1e6, 3),
-          kernels_per_call=m["kernels_per_call"]))
+          kernels_per_call=m["kernels_per_call"], top_kernels=m.get("top_kernels")))
       r = rows[-1]
       num = lambda v, w: f"{'-':>{w}}" if v is None else f"{v:{w}.2f}"
       print(f"{str(dict(T=t, H=h)):>24} {impl:>18} {sec * 1e6:9.2f} {num(r['kernel_us'], 8)} "

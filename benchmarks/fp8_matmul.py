@@ -15,7 +15,8 @@ With --sweep, every case also times the Pallas kernel under the candidate tiling
 `sweep_configs` (input already quantised) and writes fp8_matmul_sweep.json: the data the
 heuristics are set from.
 
-Run: python benchmarks/fp8_matmul.py [--out DIR] [--commit SHA] [--smoke] [--sweep]
+Run: python benchmarks/fp8_matmul.py [--ms 1 4096 ...] [--triton] [--out DIR] [--commit SHA]
+     [--smoke] [--sweep]
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ IMPLS = {
     "xla_bf16": lambda x, qa, qw, sw, wb: x @ wb.T,
     "xla_dequant": lambda x, qa, qw, sw, wb: x @ dequantize_weight(qw, sw).astype(jnp.bfloat16).T,
 }
+TRITON_IMPLS = {
+    "triton": lambda x, qa, qw, sw, wb: fp8_matmul(qa, qw, sw, implementation="triton"),
+}
 
 
 def sweep_configs(m: int, n: int, k: int) -> list[mm_pallas.Config]:
@@ -125,8 +129,11 @@ def main():
   ap.add_argument("--commit", default="unknown")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on CPU")
   ap.add_argument("--sweep", action="store_true", help="only the tiling sweep (see docstring)")
+  ap.add_argument("--ms", nargs="+", type=int, default=MS)
+  ap.add_argument("--triton", action="store_true", help="also time implementation='triton'")
   args = ap.parse_args()
-  ms, nks = ((1, 16), ((256, 384),)) if args.smoke else (MS, NKS)
+  ms, nks = ((1, 16), ((256, 384),)) if args.smoke else (args.ms, NKS)
+  impls = dict(IMPLS, **TRITON_IMPLS) if args.triton else IMPLS
 
   bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
   bf16 = bf16_tflops(256 if args.smoke else 8192)
@@ -143,7 +150,8 @@ def main():
     make = make_problem(m, n, k, seed)
     x, qa, qw, sw, wb = make(1)[0]
     want = fp8_matmul(qa, qw, sw, implementation="xla")
-    ok = rel_rms(fp8_matmul(qa, qw, sw, implementation="pallas"), want) <= 2.0**-8
+    ok = {impl: rel_rms(fp8_matmul(qa, qw, sw, implementation=impl), want) <= 2.0**-8
+          for impl in ("pallas", "triton") if impl in impls}
     flops = 2 * m * n * k
     nbytes = n * k + (-(-n // 128)) * (-(-k // 128)) * 4 + m * k + m * (-(-k // 128)) * 4 + m * n * 2
     floor = max(flops / (fp8_peak * 1e12), nbytes / (bw * 1e12))
@@ -151,7 +159,7 @@ def main():
     # Few calls per jit: each Pallas call in it is compiled separately (seconds per case).
     n_calls = 4
     base = None
-    for impl, op in IMPLS.items():
+    for impl, op in impls.items():
       t = _harness.measure(op, make, n_calls)
       sec = t["kernel_s"] or t["chain_s"]
       if impl == "xla_bf16":
@@ -159,11 +167,11 @@ def main():
       rows.append(dict(case=dict(M=m, N=n, K=k), impl=impl, time_us=round(sec * 1e6, 3),
                        tbps=round(n * k / sec / 1e12, 3), tflops=round(flops / sec / 1e12, 1),
                        roofline_frac=round(floor / sec, 3), vs_xla=None,
-                       correct=bool(ok) if impl.startswith("pallas") else True,
+                       correct=bool(ok.get(impl.split("+")[0], True)),
                        config=str(config) if impl.startswith("pallas") else None,
                        chain_us=round(t["chain_s"] * 1e6, 3) if t["chain_s"] else None,
                        kernels_per_call=t["kernels_per_call"]))
-    for row in rows[-len(IMPLS):]:
+    for row in rows[-len(impls):]:
       row["vs_xla"] = round(base / (row["time_us"] * 1e-6), 3)
       print(f"{m:>5} {n:>6} {k:>6} {row['impl']:>13} {row['time_us']:9.2f} {row['tflops']:8.1f} "
             f"{row['tbps']:6.2f} {row['roofline_frac']:5.2f} {row['vs_xla']:7.2f} "

@@ -7,7 +7,8 @@ Bytes each call must move (B = bytes per input element, 2 for bf16, G = 128):
                               + T*H2*B + H2*B + T*H2*B                (kv_a_layernorm, bf16)
 Roofline = those bytes / the device copy bandwidth measured in the same run.
 
-Run: python benchmarks/rmsnorm_quant.py [--sweep] [--out DIR] [--commit SHA]
+Run: python benchmarks/rmsnorm_quant.py [--impls xla pallas triton] [--ts 1 4096 ...] [--sweep]
+     [--out DIR] [--commit SHA]
 """
 
 from __future__ import annotations
@@ -61,11 +62,11 @@ def op_for(impl, config=None):
   return op
 
 
-def check(make, config=None):
-  """Pallas vs XLA on one input set: the same tolerances as the test suite."""
+def check(make, impl, config=None):
+  """A kernel vs XLA on one input set: the same tolerances as the test suite."""
   x, r, w, x2, w2 = make(1)[0]
   kw = dict(residual=r, x2=x2, weight2=w2)
-  a = rmsnorm_quant(x, w, implementation="pallas", config=config, **kw)
+  a = rmsnorm_quant(x, w, implementation=impl, config=config, **kw)
   b = rmsnorm_quant(x, w, implementation="xla", **kw)
   why = quant_mismatch(a.quant, b.quant, max_code_frac=1e-3, scale_rtol=1e-6)
   if why is None and r is not None and not bool(jnp.array_equal(a.residual, b.residual)):
@@ -87,6 +88,8 @@ def chain_len(nbytes):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--sweep", action="store_true", help="also time other tilings at T >= 4096")
+  ap.add_argument("--impls", nargs="+", default=["xla", "pallas"], help="xla first: the baseline")
+  ap.add_argument("--ts", nargs="+", type=int, default=TS)
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--commit", default="unknown")
   args = ap.parse_args()
@@ -96,8 +99,8 @@ def main():
   print("bytes = T*H*2*(3 if residual else 1) + H*2 + T*H + T*ceil(H/128)*4"
         " [+ 2*T*H2*2 + H2*2 for the MLA pair]; time = profiler kernel time per call;"
         " chain = wall-clock slope per call inside one jit (launch gaps included)")
-  cases = [dict(T=t, H=h) for h in (4096, 7168) for t in TS]
-  cases += [dict(T=t, H=1536, H2=512) for t in TS]
+  cases = [dict(T=t, H=h) for h in (4096, 7168) for t in args.ts]
+  cases += [dict(T=t, H=1536, H2=512) for t in args.ts]
   rows = []
   print(f"{'case':>32} {'impl':>18} {'us':>8} {'chain':>8} {'kern':>4} {'TB/s':>5} {'roof':>5}"
         f" {'vs_xla':>6} ok")
@@ -107,13 +110,13 @@ def main():
     nbytes = case_bytes(t, h, h2, residual)
     make = make_inputs(t, h, h2, residual, seed=n_case)
     n = chain_len(nbytes)
-    configs = [("xla", None), ("pallas", None)]
+    configs = [(impl, None) for impl in args.impls]
     if args.sweep and t >= 4096:
       configs += [(f"pallas(br={br},nw={nw})", Config(br, nw))
                   for br in (1, 2, 4) for nw in (4, 8, 16)]
     xla = None
     for impl, config in configs:
-      ok = True if impl == "xla" else check(make, config)
+      ok = True if impl == "xla" else check(make, impl.split("(")[0], config)
       m = _harness.measure(op_for(impl.split("(")[0], config), make, n)
       sec = m["kernel_s"] or m["chain_s"]
       xla = xla or sec
@@ -121,7 +124,8 @@ def main():
       rows.append(dict(case=dict(case, residual=residual), impl=impl, time_us=round(sec * 1e6, 3),
                        tbps=round(tbps, 3), tflops=None, roofline_frac=round(tbps / bw, 3),
                        vs_xla=round(xla / sec, 3), correct=ok, bytes=nbytes,
-                       chain_us=round(m["chain_s"] * 1e6, 3),
+                       chain_us=round(m["chain_s"] * 1e6, 3), config=None if config is None
+                       else str(config),
                        kernels_per_call=m["kernels_per_call"]))
       print(f"{str(case):>32} {impl:>18} {sec * 1e6:8.2f} {m['chain_s'] * 1e6:8.2f} "
             f"{m['kernels_per_call'] or 0:4.1f} {tbps:5.2f} {tbps / bw:5.2f} {xla / sec:6.2f} "

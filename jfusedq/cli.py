@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfusedq import _target, default_format, rmsnorm_quant
-from jfusedq.ops._dispatch import default_order
+from jfusedq.ops._dispatch import Unsupported, default_order
 from jfusedq.testing import quant_mismatch
 
 
@@ -40,7 +40,11 @@ def demo(args) -> int:
   results = {}
   for impl in impls:
     fn = jax.jit(lambda x, r, w, impl=impl: rmsnorm_quant(x, w, residual=r, implementation=impl))
-    out = jax.block_until_ready(fn(x, residual, weight))
+    try:
+      out = jax.block_until_ready(fn(x, residual, weight))
+    except Unsupported as e:  # e.g. triton without jax-triton installed
+      print(f"  {impl:>6}: skipped ({e})")
+      continue
     times = []
     for _ in range(args.reps):
       t0 = time.perf_counter()
@@ -50,7 +54,7 @@ def demo(args) -> int:
     print(f"  {impl:>6}: median {np.median(times) * 1e6:9.1f} us per call (wall clock, includes"
           f" dispatch)")
   ref = results["xla"].quant
-  q = results[impls[0]].quant
+  q = results[next(iter(results))].quant
   print(f"q {q.q.shape} {q.q.dtype}, scale {q.scale.shape} {q.scale.dtype}")
   print("row 0, first 8 codes :", np.asarray(q.q[0, :8].astype(jnp.float32)))
   print("row 0, first 4 scales:", np.asarray(q.scale[0, :4]))

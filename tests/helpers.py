@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
+from jfusedq import _triton
 from jfusedq.fp8 import Fp8Format, QuantizedActivation
 from jfusedq.testing import quant_mismatch
 
@@ -27,6 +29,12 @@ FORMATS = {
     "e4m3fnuz": Fp8Format.e4m3fnuz(),
     "e4m3fnuz_224": Fp8Format.e4m3fnuz(fp8_max=224.0),
 }
+
+
+# implementation="triton" in the shared parametrisations: Triton kernels run through jax-triton
+# on a CUDA or ROCm GPU only.
+TRITON = pytest.param("triton", marks=pytest.mark.skipif(
+    not _triton.available(), reason="triton needs a CUDA or ROCm GPU and jax-triton"))
 
 
 def rng(*key) -> np.random.Generator:

@@ -24,7 +24,7 @@ class Unsupported(NotImplementedError):
 def default_order(target: _target.Target | None = None) -> tuple[str, ...]:
   target = target or _target.current()
   # Interpret mode makes Pallas correct but slow on CPU: there XLA is the fast path.
-  return ("pallas", "xla") if target.is_gpu else ("xla",)
+  return ("pallas", "triton", "xla") if target.is_gpu else ("xla",)
 
 
 def dispatch(op: str, backends: dict[str, Callable], implementation: str | Sequence[str] | None,

@@ -2,13 +2,12 @@
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
 
 from helpers import FORMATS, activations, rng
-from jfusedq import Fp8Format, QuantizedActivation, fp8_matmul, rmsnorm_quant
+from jfusedq import Fp8Format, QuantizedActivation, rmsnorm_quant
 from jfusedq.nn import Fp8Linear, Linear, e4m3fn_to_e4m3fnuz, quantize_weight
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
 from jfusedq.testing import rel_rms

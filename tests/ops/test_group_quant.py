@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import FORMATS, activations, assert_quant_close, oracle_quant, rng
+from helpers import FORMATS, TRITON, activations, assert_quant_close, oracle_quant, rng
 from jfusedq import QuantizedActivation, Unsupported, group_quant
 
-IMPLS = ("xla", "pallas")
+IMPLS = ("xla", "pallas", TRITON)
 
 
 def quant_both(impl, x, **kw):
@@ -104,7 +104,7 @@ def test_errors():
   with pytest.raises(ValueError, match="layout"):
     group_quant(x, layout="column")
   with pytest.raises(ValueError, match="unknown implementation"):
-    group_quant(x, implementation=("triton",))
+    group_quant(x, implementation=("cutlass",))
   with pytest.raises(ValueError, match="at least one dimension"):
     group_quant(x[0, 0])
   with pytest.raises(Unsupported):

@@ -6,10 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TARGETS, TRITON_CALL, activations, assert_rounded_close, lower, rng, weights
+from helpers import (TARGETS, TRITON, TRITON_CALL, activations, assert_rounded_close, lower, rng,
+                     weights)
 from jfusedq import rmsnorm, rmsnorm_quant
 
-IMPLS = ("xla", "pallas")
+IMPLS = ("xla", "pallas", TRITON)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

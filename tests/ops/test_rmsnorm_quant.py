@@ -7,13 +7,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import (FORMATS, activations, assert_outputs_close, assert_quant_close, oracle_quant,
-                     oracle_rmsnorm, rng, weights)
+from helpers import (FORMATS, TRITON, activations, assert_outputs_close, assert_quant_close,
+                     oracle_quant, oracle_rmsnorm, rng, weights)
 from jfusedq import Fp8Format, QuantizedActivation, Unsupported, group_quant, rmsnorm_quant
 from jfusedq.ops.group_quant import Config
 from jfusedq.ops.group_quant import pallas as gq_pallas
 
-IMPLS = ("xla", "pallas")
+IMPLS = ("xla", "pallas", TRITON)
 MODEL_HIDDEN = (4096, 7168, 1536, 512, 2112, 576, 8192)
 
 
@@ -166,11 +166,12 @@ def test_reference_matches_float64_oracle(case):
                              rtol=2.0**-8, atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["pallas", TRITON])
 @pytest.mark.parametrize("block_rows,num_warps", [(1, 4), (2, 8), (4, 16), (8, 4)])
-def test_explicit_configs(block_rows, num_warps):
+def test_explicit_configs(impl, block_rows, num_warps):
   x, res, w, x2, w2 = inputs(("config",), (8, 2112), x2=512)
   kw = dict(residual=res, x2=x2, weight2=w2, keep_hp=True)
-  got = rmsnorm_quant(x, w, implementation="pallas", config=Config(block_rows, num_warps), **kw)
+  got = rmsnorm_quant(x, w, implementation=impl, config=Config(block_rows, num_warps), **kw)
   assert_outputs_close(got, rmsnorm_quant(x, w, implementation="xla", **kw))
 
 

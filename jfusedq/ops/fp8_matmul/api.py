@@ -8,10 +8,11 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from jfusedq import _target
 from jfusedq.fp8 import E4M3FN, E4M3FNUZ, Fp8Format, QuantizedActivation
 from jfusedq.ops import _common
-from jfusedq.ops._dispatch import dispatch
-from jfusedq.ops.fp8_matmul import pallas, reference
+from jfusedq.ops._dispatch import Unsupported, dispatch
+from jfusedq.ops.fp8_matmul import pallas, reference, triton
 from jfusedq.ops.group_quant import group_quant
 
 BLOCK = reference.BLOCK
@@ -35,8 +36,9 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
     a: `[..., K]` array or QuantizedActivation (`q [..., K]`, scale per layout).
     weight: `[N, K]` float8_e4m3fn or float8_e4m3fnuz; any N, K.
     weight_scale: `[ceil(N/128), ceil(K/128)]` float32.
-    implementation: "pallas", "xla", a sequence tried in order, or None (best available).
-    config: Pallas tiling; default from `pallas.heuristics` (by M and device).
+    implementation: "pallas", "triton", "xla", a sequence tried in order, or None (best
+      available).
+    config: tiling (Pallas and Triton); default from `pallas.heuristics` (by M and device).
   """
   n, k = _check_weight(weight, weight_scale)
   qa = _quantized(a, weight, k, implementation)
@@ -44,18 +46,24 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
   def xla():
     return reference.fp8_matmul(qa, weight, weight_scale, out_dtype)
 
-  def run_pallas():
-    *lead, _ = qa.q.shape
-    m = math.prod(lead)
-    if m == 0:
-      return xla()
-    sa = qa.scale.reshape(m, -1) if qa.layout == "row" else qa.scale.reshape(-1, m)
-    cfg = config or pallas.heuristics(m, n, k)
-    out = pallas.fp8_matmul(qa.q.reshape(m, k), sa, qa.layout, weight, weight_scale, cfg,
-                            out_dtype)
-    return out.reshape(*lead, n)
+  def tiled(kernels):
+    def run():
+      *lead, _ = qa.q.shape
+      m = math.prod(lead)
+      if m == 0:
+        return xla()
+      if weight.dtype == E4M3FNUZ and _target.current().platform == "cuda":
+        raise Unsupported("NVIDIA tensor cores have no float8_e4m3fnuz dot; use e4m3fn weights "
+                          "there, or implementation='xla'")
+      sa = qa.scale.reshape(m, -1) if qa.layout == "row" else qa.scale.reshape(-1, m)
+      cfg = config or pallas.heuristics(m, n, k)
+      out = kernels.fp8_matmul(qa.q.reshape(m, k), sa, qa.layout, weight, weight_scale, cfg,
+                               out_dtype)
+      return out.reshape(*lead, n)
+    return run
 
-  return dispatch("fp8_matmul", {"pallas": run_pallas, "xla": xla}, implementation)
+  return dispatch("fp8_matmul", {"pallas": tiled(pallas), "triton": tiled(triton), "xla": xla},
+                  implementation)
 
 
 def _check_weight(weight, weight_scale) -> tuple[int, int]:

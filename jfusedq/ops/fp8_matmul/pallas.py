@@ -60,8 +60,11 @@ def _sm_count(device_kind: str) -> int:
 def heuristics(m: int, n: int, k: int, device_kind: str | None = None) -> Config:
   """Block sizes by M (and the device's SM count, for the K split).
 
-  M <= 64 (decode) is bound by reading the weight: small tiles, and K split until about two
-  programs per SM stream the weight. Larger M is bound by the tensor cores: 128 x 128 tiles.
+  Set from the H200 sweep (benchmarks/results/fp8_matmul_sweep.json). M <= 64 (decode) is
+  bound by reading the weight: 64-column tiles, and K split until about four (M <= 16) or two
+  programs per SM stream the weight, at most 8 splits (their f32 partials cost a pass). Larger
+  M: 64 x 128 tiles of 4 warps beat 128 x 128 ones there (1.1-1.25x at M = 4096; wider tiles
+  ran slower still, 256 x 128 at a third).
   """
   device_kind = device_kind or _target.current().device_kind
   kb = -(-k // BLOCK_K)
@@ -69,12 +72,10 @@ def heuristics(m: int, n: int, k: int, device_kind: str | None = None) -> Config
     block_m = max(16, pl.next_power_of_2(m))
     block_n = 64
     tiles = -(-m // block_m) * -(-n // block_n)
-    want = max(1, 2 * _sm_count(device_kind) // tiles)
-    k_splits = min(_common.pow2_floor(want), _common.pow2_floor(kb))
+    want = max(1, (4 if m <= 16 else 2) * _sm_count(device_kind) // tiles)
+    k_splits = min(_common.pow2_floor(want), 8, _common.pow2_floor(kb))
     return Config(block_m, block_n, k_splits, num_warps=4, num_stages=4)
-  if m <= 256:
-    return Config(64, 128, 1, num_warps=4, num_stages=4)
-  return Config(128, 128, 1, num_warps=8, num_stages=3)
+  return Config(64, 128, 1, num_warps=4, num_stages=4)
 
 
 def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: jax.Array,
@@ -86,6 +87,15 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   bm, bn, splits = config.block_m, config.block_n, config.k_splits
   per_split = -(-kb // splits)
   fp8 = qa.dtype
+  # e4m3fnuz operands travel as their bits: a masked load then fills with integer 0 (+0), where
+  # a float fill needs a cast to fnuz that the Triton lowering lacks. e4m3fn loads as itself,
+  # so the loaded tile feeds the tensor cores without a bitcast in registers between.
+  as_bits = fp8 == jnp.float8_e4m3fnuz
+  to_bits = (lambda t: lax.bitcast_convert_type(t, jnp.uint8)) if as_bits else (lambda t: t)
+  fill = 0 if as_bits else 0.0
+  # Hopper's fp8 MMA (wgmma) needs 64 rows in M: with fewer tokens, compute the transposed
+  # product w . a^T, so the weight's rows fill M and the tokens sit in N (8 to 256 allowed).
+  swap = bm < 64 <= bn
 
   def kernel(a_ref, sa_ref, w_ref, sw_ref, o_ref):
     pid_m, pid_n, pid_k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -99,21 +109,26 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
     def step(b, acc):
       k0 = b * BLOCK_K
       k_ok = (k0 + lax.broadcasted_iota(jnp.int32, (BLOCK_K,), 0)) < k
-      # The operands travel as their bits: a masked load fills with integer 0 (+0 in both
-      # formats), where a float fill would need a cast to fnuz the Triton lowering lacks.
       a = plgpu.load(a_ref.at[pl.ds(m0, bm), pl.ds(k0, BLOCK_K)],
-                     mask=row_ok[:, None] & k_ok[None, :], other=0)
+                     mask=row_ok[:, None] & k_ok[None, :], other=fill)
       w = plgpu.load(w_ref.at[pl.ds(n0, bn), pl.ds(k0, BLOCK_K)],
-                     mask=col_ok[:, None] & k_ok[None, :], other=0)
-      a, w = lax.bitcast_convert_type(a, fp8), lax.bitcast_convert_type(w, fp8)
+                     mask=col_ok[:, None] & k_ok[None, :], other=fill)
+      if as_bits:
+        a, w = lax.bitcast_convert_type(a, fp8), lax.bitcast_convert_type(w, fp8)
       s_a = plgpu.load(sa_ref.at[pl.ds(m0, bm), b] if a_layout == "row"
                        else sa_ref.at[b, pl.ds(m0, bm)], mask=row_ok, other=0.0)
       s_w = sw_ref[n0 // BLOCK_K, b]
       # fp8 x fp8 -> f32 on the tensor cores, contracting both operands' K (w is [N, K]).
+      if swap:
+        d = lax.dot_general(w, a, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return acc + d * (s_w * s_a[None, :])
       d = lax.dot_general(a, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
       return acc + d * (s_a[:, None] * s_w)
 
-    acc = lax.fori_loop(first, last, step, jnp.zeros((bm, bn), jnp.float32))
+    acc = lax.fori_loop(first, last, step,
+                        jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
+    if swap:
+      acc = acc.T
     out = o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)] if splits == 1 else o_ref.at[
         pid_k, pl.ds(m0, bm), pl.ds(n0, bn)]
     plgpu.store(out, acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
@@ -131,5 +146,5 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
                                            num_stages=config.num_stages),
       interpret=_target.interpret(),
       name="fp8_matmul",
-  )(lax.bitcast_convert_type(qa, jnp.uint8), sa, lax.bitcast_convert_type(qw, jnp.uint8), sw)
+  )(to_bits(qa), sa, to_bits(qw), sw)
   return out if splits == 1 else out.sum(axis=0).astype(out_dtype)

@@ -11,7 +11,7 @@ import jax
 from jfusedq.fp8 import Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.ops import _common
 from jfusedq.ops._dispatch import dispatch
-from jfusedq.ops.group_quant import pallas, reference
+from jfusedq.ops.group_quant import pallas, reference, triton
 
 
 def group_quant(x: jax.Array, *, group_size: int = 128, fmt: Fp8Format | str | None = None,
@@ -29,8 +29,9 @@ def group_quant(x: jax.Array, *, group_size: int = 128, fmt: Fp8Format | str | N
     fmt: FP8 format; default: the current device's native one.
     layout: "row" -> scale `[..., G]`; "col" -> scale `[G, ...]` (G = ceil(K/group_size)).
     ue8m0: round scales up to powers of two.
-    implementation: "pallas", "xla", a sequence tried in order, or None (best available).
-    config: Pallas tiling; default from `pallas.heuristics`.
+    implementation: "pallas", "triton", "xla", a sequence tried in order, or None (best
+      available).
+    config: rows and warps per program (Pallas and Triton); default from each one's heuristics.
   Returns:
     QuantizedActivation(q [..., K] fp8, scale f32), recording group_size and layout.
   """
@@ -44,15 +45,18 @@ def group_quant(x: jax.Array, *, group_size: int = 128, fmt: Fp8Format | str | N
   def xla():
     return reference.group_quant(x, fmt, group_size=group_size, layout=layout, ue8m0=ue8m0)
 
-  def run_pallas():
-    *lead, k = x.shape
-    rows = math.prod(lead)
-    if rows == 0:
-      return xla()
-    q, scale = pallas.group_quant(x.reshape(rows, k), fmt, group_size=group_size, layout=layout,
-                                  ue8m0=ue8m0, config=config)
-    groups = scale.shape[1] if layout == "row" else scale.shape[0]
-    scale = scale.reshape(*lead, groups) if layout == "row" else scale.reshape(groups, *lead)
-    return QuantizedActivation(q.reshape(x.shape), scale, group_size=group_size, layout=layout)
+  def rowwise(kernels):
+    def run():
+      *lead, k = x.shape
+      rows = math.prod(lead)
+      if rows == 0:
+        return xla()
+      q, scale = kernels.group_quant(x.reshape(rows, k), fmt, group_size=group_size,
+                                     layout=layout, ue8m0=ue8m0, config=config)
+      groups = scale.shape[1] if layout == "row" else scale.shape[0]
+      scale = scale.reshape(*lead, groups) if layout == "row" else scale.reshape(groups, *lead)
+      return QuantizedActivation(q.reshape(x.shape), scale, group_size=group_size, layout=layout)
+    return run
 
-  return dispatch("group_quant", {"pallas": run_pallas, "xla": xla}, implementation)
+  return dispatch("group_quant", {"pallas": rowwise(pallas), "triton": rowwise(triton),
+                                  "xla": xla}, implementation)

@@ -1,7 +1,8 @@
 """(Residual add +) RMSNorm without quantisation: the norm kernel of the unfused chain.
 
-The Pallas path is the rmsnorm_quant kernel built with its quantisation stage left out, so
-the two ops share one kernel and agree bit for bit on the residual and the norm.
+The Pallas and Triton paths are the rmsnorm_quant kernels built with their quantisation stage
+left out, so the two ops share one kernel each and agree bit for bit on the residual and the
+norm.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from jfusedq.ops._dispatch import dispatch
 from jfusedq.ops.group_quant import pallas as gq_pallas
 from jfusedq.ops.rmsnorm_quant import api as rq_api
 from jfusedq.ops.rmsnorm_quant import pallas as rq_pallas
+from jfusedq.ops.rmsnorm_quant import triton as rq_triton
 from jfusedq.ops.rmsnorm_quant.reference import add_residual
 from jfusedq.ops.rmsnorm_quant.reference import rmsnorm as rmsnorm_ref
 
@@ -40,16 +42,20 @@ def rmsnorm(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None = Non
     y = rmsnorm_ref(h, weight, eps, weight_offset).astype(x.dtype)
     return RmsNormOutput(y, h if residual is not None else None)
 
-  def run_pallas():
-    *lead, k = x.shape
-    rows = math.prod(lead)
-    if rows == 0:
-      return xla()
-    flat = lambda a: None if a is None else a.reshape(rows, k)
-    _, _, res_out, y, _ = rq_pallas.rmsnorm_quant(
-        flat(x), weight, residual=flat(residual), eps=float(eps),
-        weight_offset=float(weight_offset), fmt=None, group_size=128, layout="row", ue8m0=False,
-        keep_hp=True, x2=None, weight2=None, eps2=None, config=config)
-    return RmsNormOutput(y.reshape(x.shape), None if res_out is None else res_out.reshape(x.shape))
+  def rowwise(kernels):
+    def run():
+      *lead, k = x.shape
+      rows = math.prod(lead)
+      if rows == 0:
+        return xla()
+      flat = lambda a: None if a is None else a.reshape(rows, k)
+      _, _, res_out, y, _ = kernels.rmsnorm_quant(
+          flat(x), weight, residual=flat(residual), eps=float(eps),
+          weight_offset=float(weight_offset), fmt=None, group_size=128, layout="row", ue8m0=False,
+          keep_hp=True, x2=None, weight2=None, eps2=None, config=config)
+      return RmsNormOutput(y.reshape(x.shape),
+                           None if res_out is None else res_out.reshape(x.shape))
+    return run
 
-  return dispatch("rmsnorm", {"pallas": run_pallas, "xla": xla}, implementation)
+  return dispatch("rmsnorm", {"pallas": rowwise(rq_pallas), "triton": rowwise(rq_triton),
+                              "xla": xla}, implementation)

@@ -11,7 +11,7 @@ from jfusedq.fp8 import Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.ops import _common
 from jfusedq.ops._dispatch import dispatch
 from jfusedq.ops.group_quant import pallas as gq_pallas
-from jfusedq.ops.rmsnorm_quant import pallas, reference
+from jfusedq.ops.rmsnorm_quant import pallas, reference, triton
 from jfusedq.ops.rmsnorm_quant.reference import RmsNormQuantOutput
 
 
@@ -40,8 +40,9 @@ def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None
     group_size, fmt, layout, ue8m0: as for `group_quant`.
     keep_hp: also return the normalised activation in x.dtype (`quant.hp`).
     x2, weight2, eps2: the optional second, norm-only input (eps2 defaults to eps).
-    implementation: "pallas", "xla", a sequence tried in order, or None (best available).
-    config: Pallas tiling; default from the heuristics.
+    implementation: "pallas", "triton", "xla", a sequence tried in order, or None (best
+      available).
+    config: rows and warps per program (Pallas and Triton); default from each one's heuristics.
   Returns:
     RmsNormQuantOutput(quant, residual, norm2); residual / norm2 are None when not asked for.
   """
@@ -55,22 +56,25 @@ def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None
   def xla():
     return reference.rmsnorm_quant(x, weight, **kw)
 
-  def run_pallas():
-    *lead, h = x.shape
-    rows = math.prod(lead)
-    if rows == 0:
-      return xla()
-    flat = lambda a: None if a is None else a.reshape(rows, a.shape[-1])
-    q, scale, res_out, hp, norm2 = pallas.rmsnorm_quant(
-        flat(x), weight, **{**kw, "residual": flat(residual), "x2": flat(x2)}, config=config)
-    groups = scale.shape[1] if layout == "row" else scale.shape[0]
-    scale = scale.reshape(*lead, groups) if layout == "row" else scale.reshape(groups, *lead)
-    unflat = lambda a, like: None if a is None else a.reshape(like.shape)
-    quant = QuantizedActivation(q.reshape(x.shape), scale, unflat(hp, x), group_size=group_size,
-                                layout=layout)
-    return RmsNormQuantOutput(quant, unflat(res_out, x), unflat(norm2, x2))
+  def rowwise(kernels):
+    def run():
+      *lead, h = x.shape
+      rows = math.prod(lead)
+      if rows == 0:
+        return xla()
+      flat = lambda a: None if a is None else a.reshape(rows, a.shape[-1])
+      q, scale, res_out, hp, norm2 = kernels.rmsnorm_quant(
+          flat(x), weight, **{**kw, "residual": flat(residual), "x2": flat(x2)}, config=config)
+      groups = scale.shape[1] if layout == "row" else scale.shape[0]
+      scale = scale.reshape(*lead, groups) if layout == "row" else scale.reshape(groups, *lead)
+      unflat = lambda a, like: None if a is None else a.reshape(like.shape)
+      quant = QuantizedActivation(q.reshape(x.shape), scale, unflat(hp, x),
+                                  group_size=group_size, layout=layout)
+      return RmsNormQuantOutput(quant, unflat(res_out, x), unflat(norm2, x2))
+    return run
 
-  return dispatch("rmsnorm_quant", {"pallas": run_pallas, "xla": xla}, implementation)
+  return dispatch("rmsnorm_quant", {"pallas": rowwise(pallas), "triton": rowwise(triton),
+                                    "xla": xla}, implementation)
 
 
 def check_inputs(x, weight, residual, group_size, layout, x2, weight2) -> None:

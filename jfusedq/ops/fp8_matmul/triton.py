@@ -1,0 +1,102 @@
+"""Triton kernel for the block-scaled W8A8 GEMM (DeepSeek format, DESIGN.md 3.3).
+
+Grid (M blocks x N blocks, K splits), the first axis ordered in groups of GROUP_M row blocks so
+that programs running together share weight and activation tiles in L2. A program walks its
+share of the K blocks of 128 (the scale granularity): one fp8 x fp8 `tl.dot` per block into
+f32, scaled by the activation's per-row scale and the weight block's scalar scale (`block_n`
+divides 128, so a program's columns share one weight-scale row), accumulated in f32. Loads
+and stores are masked, so M, N and K need not be multiples of anything. With K split, each
+split writes an f32 partial and XLA adds them (deterministic, unlike atomics).
+
+Tiling comes from `pallas.Config` / `pallas.heuristics`. The operands are loaded as fp8 (not
+as bytes bitcast in registers, which would route them through registers between shared memory
+and the MMA); a masked load fills with +0, a code in both formats.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jfusedq import _triton
+from jfusedq._triton import tl
+from jfusedq.ops.fp8_matmul.pallas import BLOCK_K, Config
+
+GROUP_M = 8  # row blocks per L2 group
+
+
+@_triton.jit
+def _kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, m, o_ptr, N: tl.constexpr, K: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_SPLIT: tl.constexpr,
+            SPLIT: tl.constexpr, A_COL: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr):
+  BK: tl.constexpr = 128
+  KB: tl.constexpr = (K + BK - 1) // BK
+  GRID_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+  pid, pid_k = tl.program_id(0), tl.program_id(1)
+  group = pid // (GROUP_M * GRID_N)
+  first_m = group * GROUP_M
+  size_m = tl.minimum(tl.cdiv(m, BLOCK_M) - first_m, GROUP_M)
+  pid_m = first_m + (pid % (GROUP_M * GRID_N)) % size_m
+  pid_n = (pid % (GROUP_M * GRID_N)) // size_m
+
+  rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+  rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+  rk = tl.arange(0, BK)
+  m_ok, n_ok = rm < m, rn < N
+  a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]
+  w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :]
+  sw_row = sw_ptr + (pid_n * BLOCK_N // BK) * KB
+  first = pid_k * PER_SPLIT
+  last = tl.minimum(first + PER_SPLIT, KB)
+  if SWAP:
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+  else:
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+  for b in range(first, last):
+    if K % BK == 0:
+      a_mask = m_ok[:, None]
+      w_mask = n_ok[:, None]
+    else:
+      k_ok = rk < K - b * BK
+      a_mask = m_ok[:, None] & k_ok[None, :]
+      w_mask = n_ok[:, None] & k_ok[None, :]
+    a = tl.load(a_ptrs + b * BK, mask=a_mask, other=0.0)
+    w = tl.load(w_ptrs + b * BK, mask=w_mask, other=0.0)
+    if A_COL:
+      s_a = tl.load(sa_ptr + b * m + rm, mask=m_ok, other=0.0)
+    else:
+      s_a = tl.load(sa_ptr + rm * KB + b, mask=m_ok, other=0.0)
+    s_w = tl.load(sw_row + b)
+    # fp8 x fp8 -> f32 on the tensor cores, both operands straight from shared memory; w is
+    # [N, K], so its transpose is K-major as the fp8 MMA wants it (and a's, when swapped).
+    if SWAP:
+      acc += tl.dot(w, tl.trans(a)) * (s_w * s_a[None, :])
+    else:
+      acc += tl.dot(a, tl.trans(w)) * (s_a[:, None] * s_w)
+  if SWAP:
+    acc = tl.trans(acc)
+
+  o_offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
+  if SPLIT:
+    o_offs += pid_k.to(tl.int64) * m * N
+  tl.store(o_ptr + o_offs, acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: jax.Array,
+               config: Config, out_dtype) -> jax.Array:
+  """qa [M, K] fp8, sa [M, KB] ("row") or [KB, M] ("col"), qw [N, K], sw [NB, KB] -> [M, N]."""
+  _triton.require()  # e4m3fnuz on CUDA is declined by the api, for both kernels
+  m, k = qa.shape
+  n = qw.shape[0]
+  kb = -(-k // BLOCK_K)
+  bm, bn, splits = config.block_m, config.block_n, config.k_splits
+  out_shape = (jax.ShapeDtypeStruct((m, n), out_dtype) if splits == 1
+               else jax.ShapeDtypeStruct((splits, m, n), jnp.float32))
+  out = _triton.call(
+      _kernel, qa, sa, qw, sw, m, out_shape=out_shape,
+      grid=(-(-m // bm) * -(-n // bn), splits), name="fp8_matmul", num_warps=config.num_warps,
+      num_stages=config.num_stages, N=n, K=k, BLOCK_M=bm, BLOCK_N=bn,
+      PER_SPLIT=-(-kb // splits), SPLIT=splits > 1, A_COL=a_layout == "col", GROUP_M=GROUP_M,
+      # wgmma needs 64 rows in M: with fewer tokens the weight's rows take M (pallas.py).
+      SWAP=bm < 64 <= bn)
+  return out if splits == 1 else out.sum(axis=0).astype(out_dtype)

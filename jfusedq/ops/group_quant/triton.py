@@ -1,0 +1,149 @@
+"""Triton kernel for 1 x G FP8 quantisation, and the quantise-and-store routine the fused
+kernels share.
+
+Layout: each program owns `block_rows` whole rows, each held in registers as one power-of-two
+block of `width >= K` columns (7168 -> 8192); masked loads and stores keep the padding out of
+memory, and the padding's zeros leave every group's amax as it is. Rows are masked too, so no
+tiling constraint remains on T or K (unlike Pallas-Triton, which needs power-of-two chunks).
+
+FP8 codes: a native cast (round to nearest even) for e4m3fn, and for e4m3fnuz on ROCm; Triton's
+NVIDIA backend has no fnuz conversions, so there the kernel writes the fnuz bits computed with
+integer ops (`fp8.encode_e4m3fnuz`) and the caller bitcasts them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jfusedq import _target, _triton
+from jfusedq._triton import tl
+from jfusedq.fp8 import E4M3FNUZ, Fp8Format
+from jfusedq.ops import _common
+from jfusedq.ops._dispatch import Unsupported
+from jfusedq.ops.group_quant.pallas import Config, to_fp8
+
+MAX_WIDTH = 32768  # padded f32 values per row in registers (64 per thread at 16 warps)
+TILE = 8192  # target elements per program (rows x width)
+PROGRAMS = 256  # keep about two programs per SM before packing rows together
+
+
+def block_width(k: int, group_size: int = 1) -> int:
+  """The power-of-two block a row of width k is held in; Unsupported beyond MAX_WIDTH."""
+  width = max(1 << (k - 1).bit_length(), group_size)
+  if width > MAX_WIDTH:
+    raise Unsupported(f"row width {k} pads to {width} > {MAX_WIDTH} values in registers")
+  return width
+
+
+def heuristics(rows: int, width: int) -> Config:
+  """~TILE elements per program (fewer rows while that leaves < PROGRAMS programs), ~16 per
+  thread. `width`: padded values per row, all inputs together."""
+  block_rows = min(_common.pow2_floor(TILE // width), _common.pow2_floor(rows // PROGRAMS))
+  num_warps = min(16, max(4, _common.pow2_floor(block_rows * width // 512)))
+  return Config(block_rows, num_warps)
+
+
+def fnuz_bits(fmt: Fp8Format, target: _target.Target) -> bool:
+  """Whether the kernel writes fnuz codes as integer bits (no native conversion on CUDA)."""
+  return fmt.dtype == E4M3FNUZ and target.platform == "cuda"
+
+
+def quant_out_shapes(rows: int, k: int, fmt: Fp8Format, group_size: int, layout: str,
+                     target: _target.Target):
+  groups = _common.num_groups(k, group_size)
+  q = jax.ShapeDtypeStruct((rows, k), jnp.uint8 if fnuz_bits(fmt, target) else fmt.dtype)
+  s = jax.ShapeDtypeStruct((rows, groups) if layout == "row" else (groups, rows), jnp.float32)
+  return [q, s]
+
+
+def quant_params(fmt: Fp8Format, group_size: int, layout: str, ue8m0: bool,
+                 target: _target.Target) -> dict:
+  """The constexprs of `store_quant`."""
+  # XLA turns the reference's `amax / fp8_max` into a product with the f32 reciprocal; so does
+  # the kernel, which then meets the reference's scales bit for bit, UE8M0 included.
+  inv_max = float(np.float32(1.0) / np.float32(fmt.max))
+  return dict(G=group_size, FP8_MAX=fmt.max, INV_MAX=inv_max, UE8M0=ue8m0, COL=layout == "col",
+              FNUZ_BITS=fnuz_bits(fmt, target))
+
+
+@_triton.jit
+def encode_fnuz(y):
+  """f32 `y` clamped to +-240 -> e4m3fnuz bits, nearest even (`fp8.encode_e4m3fnuz`)."""
+  a = tl.abs(y)
+  bits = a.to(tl.int32, bitcast=True)
+  # Normal range (a >= 2**-7): rebias the exponent (127 -> 8), round the mantissa to 3 bits.
+  normal = (bits - (119 << 23) + 0x7FFFF + ((bits >> 20) & 1)) >> 20
+  # Subnormal range: at 2**13 the f32 ulp is 2**-10, the fnuz subnormal step, so the add
+  # itself rounds to nearest even; 0x46000000 is the bits of 2**13.
+  sub = (a + 8192.0).to(tl.int32, bitcast=True) - 0x46000000
+  code = tl.where(a < 0.0078125, sub, normal)
+  code = tl.where((y < 0) & (code != 0), code | 0x80, code)
+  code = tl.where(y != y, 0x80, code)
+  return code.to(tl.uint8)
+
+
+@_triton.jit
+def store_quant(y, r, rows, offs, mask, q_ptr, s_ptr, K: tl.constexpr, G: tl.constexpr,
+                FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr, UE8M0: tl.constexpr,
+                COL: tl.constexpr, FNUZ_BITS: tl.constexpr):
+  """Quantise f32 `y [R, W]` (rows `r`, W a power-of-two multiple of G >= K, zero past K) in
+  groups of G and store its codes at `q_ptr + offs` and its scales in row or col layout."""
+  R: tl.constexpr = y.shape[0]
+  W: tl.constexpr = y.shape[1]
+  yg = tl.reshape(y, (R, W // G, G))
+  amax = tl.maximum(tl.max(tl.abs(yg), axis=2), 1e-10)
+  scale = amax * INV_MAX
+  if UE8M0:
+    # Next power of two of a positive normal f32: clear the mantissa, bump the exponent.
+    bits = scale.to(tl.int32, bitcast=True)
+    bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + (1 << 23), bits)
+    scale = bits.to(tl.float32, bitcast=True)
+  # IEEE division, as XLA's: Triton's `/` is approximate and would move codes at midpoints.
+  inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+  q = tl.reshape(tl.minimum(tl.maximum(yg * inv[:, :, None], -FP8_MAX), FP8_MAX), (R, W))
+  if FNUZ_BITS:
+    codes = encode_fnuz(q)
+  else:
+    codes = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+  tl.store(q_ptr + offs, codes, mask=mask)
+  NG: tl.constexpr = (K + G - 1) // G
+  g = tl.arange(0, W // G)
+  s_mask = (r < rows)[:, None] & (g < NG)[None, :]
+  if COL:
+    s_offs = g[None, :] * rows + r[:, None]
+  else:
+    s_offs = r[:, None] * NG + g[None, :]
+  tl.store(s_ptr + s_offs, scale, mask=s_mask)
+
+
+@_triton.jit
+def _kernel(x_ptr, rows, q_ptr, s_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+            BLOCK_ROWS: tl.constexpr, G: tl.constexpr, FP8_MAX: tl.constexpr,
+            INV_MAX: tl.constexpr, UE8M0: tl.constexpr, COL: tl.constexpr,
+            FNUZ_BITS: tl.constexpr):
+  r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+  c = tl.arange(0, BLOCK_K)
+  mask = (r < rows)[:, None] & (c < K)[None, :]
+  offs = r.to(tl.int64)[:, None] * K + c[None, :]
+  y = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+  store_quant(y, r, rows, offs, mask, q_ptr, s_ptr, K, G, FP8_MAX, INV_MAX, UE8M0, COL,
+              FNUZ_BITS)
+
+
+def group_quant(x: jax.Array, fmt: Fp8Format, *, group_size: int, layout: str, ue8m0: bool,
+                config: Config | None = None):
+  """`x [T, K]` -> (q [T, K], scale); see `reference.group_quant` for the semantics."""
+  target = _target.current()
+  _triton.require(target)
+  rows, k = x.shape
+  width = block_width(k, group_size)
+  config = config or heuristics(rows, width)
+  bt = config.block_rows
+  q, scale = _triton.call(
+      _kernel, x, rows,
+      out_shape=quant_out_shapes(rows, k, fmt, group_size, layout, target),
+      grid=(-(-rows // bt),), name="group_quant", num_warps=config.num_warps, num_stages=1,
+      K=k, BLOCK_K=width, BLOCK_ROWS=bt, **quant_params(fmt, group_size, layout, ue8m0, target))
+  return to_fp8(q, fmt), scale

@@ -1,0 +1,100 @@
+"""Triton kernel: (residual add) + RMSNorm + 1 x G FP8 quant (+ a second, norm-only input).
+
+One program owns `block_rows` whole rows, each a masked power-of-two block in registers (see
+`group_quant.triton`), so the row statistic, the group amax and the quantisation need no second
+read: bytes moved = x (+ residual in, residual out) + fp8 codes + scales (+ bf16 copy) (+ x2 in
+and out). Absent inputs are bound to x (never read) and absent outputs to one-element buffers
+(never written): a Triton signature is fixed, and jax-triton takes arrays only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jfusedq import _target, _triton
+from jfusedq._triton import tl
+from jfusedq.fp8 import Fp8Format
+from jfusedq.ops.group_quant import triton as gq
+from jfusedq.ops.group_quant.pallas import Config, to_fp8
+
+
+@_triton.jit
+def _normalise(h, w_ptr, c, K: tl.constexpr, EPS: tl.constexpr, OFFSET: tl.constexpr):
+  """h [R, W] f32 (zero past K) -> h * rsqrt(mean(h^2) + eps) * (w + offset)."""
+  inv = tl.math.rsqrt(tl.sum(h * h, axis=1) * (1.0 / K) + EPS)
+  w = tl.load(w_ptr + c, mask=c < K, other=0.0).to(tl.float32)
+  return h * inv[:, None] * (w + OFFSET)[None, :]
+
+
+@_triton.jit
+def _kernel(x_ptr, res_ptr, w_ptr, x2_ptr, w2_ptr, rows, q_ptr, s_ptr, res_out_ptr, hp_ptr,
+            y2_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr, K2: tl.constexpr,
+            BLOCK_K2: tl.constexpr, BLOCK_ROWS: tl.constexpr, EPS: tl.constexpr,
+            EPS2: tl.constexpr, OFFSET: tl.constexpr, HAS_RES: tl.constexpr,
+            KEEP_HP: tl.constexpr, HAS_X2: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr,
+            FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr, UE8M0: tl.constexpr,
+            COL: tl.constexpr, FNUZ_BITS: tl.constexpr):
+  r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+  row_ok = r < rows
+  c = tl.arange(0, BLOCK_K)
+  mask = row_ok[:, None] & (c < K)[None, :]
+  offs = r.to(tl.int64)[:, None] * K + c[None, :]
+  h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+  if HAS_RES:
+    # Round the sum to the residual dtype first: the norm reads what the stream carries.
+    h = h + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h = h.to(res_out_ptr.dtype.element_ty)
+    tl.store(res_out_ptr + offs, h, mask=mask)
+    h = h.to(tl.float32)
+  y = _normalise(h, w_ptr, c, K, EPS, OFFSET)
+  if KEEP_HP:
+    tl.store(hp_ptr + offs, y.to(hp_ptr.dtype.element_ty), mask=mask)
+  if QUANT:
+    gq.store_quant(y, r, rows, offs, mask, q_ptr, s_ptr, K, G, FP8_MAX, INV_MAX, UE8M0, COL,
+                   FNUZ_BITS)
+  if HAS_X2:
+    c2 = tl.arange(0, BLOCK_K2)
+    mask2 = row_ok[:, None] & (c2 < K2)[None, :]
+    offs2 = r.to(tl.int64)[:, None] * K2 + c2[None, :]
+    h2 = tl.load(x2_ptr + offs2, mask=mask2, other=0.0).to(tl.float32)
+    y2 = _normalise(h2, w2_ptr, c2, K2, EPS2, OFFSET)
+    tl.store(y2_ptr + offs2, y2.to(y2_ptr.dtype.element_ty), mask=mask2)
+
+
+def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format | None, group_size,
+                  layout, ue8m0, keep_hp, x2, weight2, eps2, config: Config | None = None):
+  """2-D `x [T, H]` (`x2 [T, H2]`) -> (q?, scale?, residual_out?, hp?, norm2?).
+
+  `fmt=None` builds the norm alone (no q, scale): the add + RMSNorm kernel of the unfused
+  chain, which then returns hp as its output.
+  """
+  target = _target.current()
+  _triton.require(target)
+  rows, k = x.shape
+  has_res, has_x2 = residual is not None, x2 is not None
+  k2 = x2.shape[1] if has_x2 else 1
+  width = gq.block_width(k, group_size if fmt else 1)
+  width2 = gq.block_width(k2)
+  config = config or gq.heuristics(rows, width + (width2 if has_x2 else 0))
+  bt = config.block_rows
+
+  unused = jax.ShapeDtypeStruct((1,), jnp.uint8)
+  quant = (gq.quant_out_shapes(rows, k, fmt, group_size, layout, target) if fmt
+           else [unused, unused])
+  like = lambda present, shape, dtype: (jax.ShapeDtypeStruct(shape, dtype) if present
+                                        else unused)
+  out_shape = [*quant, like(has_res, (rows, k), x.dtype), like(keep_hp, (rows, k), x.dtype),
+               like(has_x2, (rows, k2), x2.dtype if has_x2 else None)]
+  params = (gq.quant_params(fmt, group_size, layout, ue8m0, target) if fmt
+            else dict(G=group_size, FP8_MAX=1.0, INV_MAX=1.0, UE8M0=False, COL=False,
+                 FNUZ_BITS=False))
+  q, scale, res_out, hp, norm2 = _triton.call(
+      _kernel, x, residual if has_res else x, weight, x2 if has_x2 else x,
+      weight2 if has_x2 else weight, rows, out_shape=out_shape, grid=(-(-rows // bt),),
+      name="rmsnorm_quant", num_warps=config.num_warps, num_stages=1, K=k, BLOCK_K=width,
+      K2=k2, BLOCK_K2=width2, BLOCK_ROWS=bt, EPS=eps, EPS2=eps2 if has_x2 else eps,
+      OFFSET=weight_offset, HAS_RES=has_res, KEEP_HP=keep_hp, HAS_X2=has_x2, QUANT=fmt is not None,
+      **params)
+  return (to_fp8(q, fmt) if fmt else None, scale if fmt else None, res_out if has_res else None,
+          hp if keep_hp else None, norm2 if has_x2 else None)
