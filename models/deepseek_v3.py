@@ -694,13 +694,15 @@ def _check_split(name: str, shape, spec: P, n: int, fp8: bool) -> None:
 
 
 def shard_forward(model: DeepseekV3ForCausalLM, mesh: jax.sharding.Mesh, axis: str = "tp",
-                  *, with_cache: bool = False):
+                  *, with_cache: bool = False, explicit_params: bool = False):
   """`forward(tokens, cache=None, pos=0) -> (logits, cache)` running `model` tensor-parallel.
 
   The body runs under `jax.shard_map` over `axis` of `mesh`; parameters are split per
   `tp_spec` (heads and intermediate dims), caches over heads, tokens and logits replicated.
   Wrap it in `jax.jit`. Raises if a split dimension does not divide, or would cut an FP8
-  128 x 128 weight block.
+  128 x 128 weight block. With `explicit_params` (and `with_cache`), returns
+  `(forward(params, tokens, cache, pos), params)` instead: a jit of it then takes the weights
+  as arguments, where the closure would make them constants of the compiled program.
   """
   n = mesh.shape[axis]
   graphdef, state = nnx.split(model)
@@ -726,13 +728,15 @@ def shard_forward(model: DeepseekV3ForCausalLM, mesh: jax.sharding.Mesh, axis: s
     fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), cache_specs, P()),
                        out_specs=(P(), cache_specs), check_vma=False)
 
-    def forward(tokens, cache, pos=0):
+    def pure(params, tokens, cache, pos=0):
       explicit = jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
       if explicit:  # shard_map wants inputs already split as in_specs say on Explicit axes
         cache = jax.tree.map(lambda c: jax.reshard(c, NamedSharding(mesh, head_spec)), cache)
-      return fn(leaves, tokens, cache, jnp.asarray(pos, jnp.int32))
+      return fn(params, tokens, cache, jnp.asarray(pos, jnp.int32))
 
-    return forward
+    if explicit_params:
+      return pure, leaves
+    return lambda tokens, cache, pos=0: pure(leaves, tokens, cache, pos)
   fn = jax.shard_map(lambda l, t: body(l, t, None, 0)[0], mesh=mesh, in_specs=(specs, P()),
                      out_specs=P(), check_vma=False)
   return lambda tokens: fn(leaves, tokens)

@@ -662,11 +662,12 @@ def check_tp(model: Qwen35ForCausalLM, n: int) -> None:
 
 
 def tp_apply(model: Qwen35ForCausalLM, mesh: jax.sharding.Mesh, *, with_cache: bool = False,
-             gdn_mode: str | None = None):
+             gdn_mode: str | None = None, explicit_params: bool = False):
   """A jitted `f(ids, cache, pos) -> (logits, cache)` running `model` (built with
   `tp_axis`) inside `jax.shard_map` over that mesh axis, parameters sharded per
   `partition_specs`; ids, logits replicated; the cache (when `with_cache`) sharded per
-  `cache_specs`."""
+  `cache_specs`. With `explicit_params`, returns `(f(params, ids, cache, pos), params)`: an
+  outer jit then takes the weights as arguments rather than as captured constants."""
   axis = model.ctx.tp_axis
   if axis is None or axis not in mesh.axis_names:
     raise ValueError(f"the model's tp_axis {axis!r} is not an axis of the mesh "
@@ -692,13 +693,15 @@ def tp_apply(model: Qwen35ForCausalLM, mesh: jax.sharding.Mesh, *, with_cache: b
   state = put(state, pspecs)
   rep = NamedSharding(mesh, P())
 
-  def apply(ids, cache=None, pos=0):
+  def pure(params, ids, cache=None, pos=0):
     cache = put(cache, cspecs) if with_cache else None
-    logits, new = fn(state, jax.device_put(ids, rep), cache,
+    logits, new = fn(params, jax.device_put(ids, rep), cache,
                      jax.device_put(jnp.asarray(pos, jnp.int32), rep))
     return logits, new if with_cache else None
 
-  return apply
+  if explicit_params:
+    return pure, state
+  return lambda ids, cache=None, pos=0: pure(state, ids, cache, pos)
 
 
 # --- loading --------------------------------------------------------------------------------

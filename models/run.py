@@ -77,21 +77,23 @@ def build(preset: str | None = None, checkpoint: str | None = None, *, quantize:
   return Built(name, model, getattr(cfg, "num_hidden_layers", None) or cfg.num_layers, make)
 
 
-def _forward(built: Built, model: nnx.Module, tp: int):
-  """forward(tokens, cache, pos) -> (logits, cache) for `model` on `tp` devices."""
+def forward_fn(built: Built, model: nnx.Module, tp: int):
+  """`(forward(params, tokens, cache, pos) -> (logits, cache), params)` for `model` on `tp`
+  devices. The weights are an argument, never a closure: a jit would capture closed-over
+  arrays as constants of the program (gigabytes for the `-layers` presets, and a compile that
+  never ends)."""
   if tp > 1:
     mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp])
     module = importlib.import_module(f"models.{built.name}")
     if built.name == "qwen3_5":
-      return module.tp_apply(model, mesh, with_cache=True)
-    return module.shard_forward(model, mesh, "tp", with_cache=True)
+      return module.tp_apply(model, mesh, with_cache=True, explicit_params=True)
+    return module.shard_forward(model, mesh, "tp", with_cache=True, explicit_params=True)
   graphdef, state = nnx.split(model)
 
-  def forward(tokens, cache, pos):
-    logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache, pos=pos)
-    return logits, cache
+  def forward(params, tokens, cache, pos):
+    return nnx.merge(graphdef, params)(tokens, cache=cache, pos=pos)
 
-  return forward
+  return forward, state
 
 
 def _progress(i: int, n: int, label: str) -> None:
@@ -108,18 +110,18 @@ def run_one(built: Built, fused: bool, tokens: jax.Array, steps: int, tp: int,
   """Prefill `tokens [B, T]`, then `steps` greedy decode steps (or the `forced` tokens)."""
   model = built.model if fused else built.make(False)
   b, t = tokens.shape
-  forward = _forward(built, model, tp)
-  prefill = jax.jit(lambda tok, cache: forward(tok, cache, 0))
+  forward, params = forward_fn(built, model, tp)
+  prefill = jax.jit(lambda params, tok, cache: forward(params, tok, cache, 0))
   decode = jax.jit(forward)
   cache = model.init_cache(b, t + steps)
   t0 = time.perf_counter()
-  prefill_c = prefill.lower(tokens, cache).compile()
-  decode_c = decode.lower(tokens[:, :1], cache, jnp.int32(t)).compile()
+  prefill_c = prefill.lower(params, tokens, cache).compile()
+  decode_c = decode.lower(params, tokens[:, :1], cache, jnp.int32(t)).compile()
   compile_s = time.perf_counter() - t0
   counts = kernel_counts(decode_c.as_text())
 
   t0 = time.perf_counter()
-  logits, cache = jax.block_until_ready(prefill_c(tokens, cache))
+  logits, cache = jax.block_until_ready(prefill_c(params, tokens, cache))
   prefill_s = time.perf_counter() - t0
   last = [np.asarray(logits[:, -1], np.float32)]
   chosen, step_s = [], []
@@ -128,7 +130,8 @@ def run_one(built: Built, fused: bool, tokens: jax.Array, steps: int, tp: int,
            else jnp.asarray(forced[:, i])).astype(tokens.dtype)
     chosen.append(np.asarray(nxt))
     t0 = time.perf_counter()
-    logits, cache = jax.block_until_ready(decode_c(nxt[:, None], cache, jnp.int32(t + i)))
+    logits, cache = jax.block_until_ready(decode_c(params, nxt[:, None], cache,
+                                                   jnp.int32(t + i)))
     step_s.append(time.perf_counter() - t0)
     last.append(np.asarray(logits[:, -1], np.float32))
     _progress(i + 1, steps, "fused" if fused else "unfused")
