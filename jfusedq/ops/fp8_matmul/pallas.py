@@ -7,6 +7,12 @@ program's columns share one weight-scale row. Loads and stores are masked, so M,
 not be multiples of anything (Pallas-Triton does not mask overhanging blocks by itself).
 With K split, each split writes an f32 partial and XLA adds them (deterministic, unlike
 atomics); decode shapes need the split to put enough programs on the GPU.
+
+On Hopper this kernel does not reach the FP8 tensor cores: Pallas emits `tt.dot` without
+`maxNumImpreciseAcc`, and Triton then lowers an fp8 dot to fp8 -> f16 conversions and
+`mma.sync` f16 (seen in the PTX of the lowered kernel compiled for sm_90a), so M >= 256 runs at
+0.34-0.50x of XLA's bf16 dot. The Triton-language kernel (triton.py) sets it and gets wgmma
+e4m3. Decode (M <= 64) reads the weight and is unaffected.
 """
 
 from __future__ import annotations
@@ -93,9 +99,6 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   as_bits = fp8 == jnp.float8_e4m3fnuz
   to_bits = (lambda t: lax.bitcast_convert_type(t, jnp.uint8)) if as_bits else (lambda t: t)
   fill = 0 if as_bits else 0.0
-  # Hopper's fp8 MMA (wgmma) needs 64 rows in M: with fewer tokens, compute the transposed
-  # product w . a^T, so the weight's rows fill M and the tokens sit in N (8 to 256 allowed).
-  swap = bm < 64 <= bn
 
   def kernel(a_ref, sa_ref, w_ref, sw_ref, o_ref):
     pid_m, pid_n, pid_k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -119,16 +122,10 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
                        else sa_ref.at[b, pl.ds(m0, bm)], mask=row_ok, other=0.0)
       s_w = sw_ref[n0 // BLOCK_K, b]
       # fp8 x fp8 -> f32 on the tensor cores, contracting both operands' K (w is [N, K]).
-      if swap:
-        d = lax.dot_general(w, a, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return acc + d * (s_w * s_a[None, :])
       d = lax.dot_general(a, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
       return acc + d * (s_a[:, None] * s_w)
 
-    acc = lax.fori_loop(first, last, step,
-                        jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
-    if swap:
-      acc = acc.T
+    acc = lax.fori_loop(first, last, step, jnp.zeros((bm, bn), jnp.float32))
     out = o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)] if splits == 1 else o_ref.at[
         pid_k, pl.ds(m0, bm), pl.ds(n0, bn)]
     plgpu.store(out, acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])

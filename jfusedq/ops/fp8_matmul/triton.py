@@ -97,6 +97,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
       grid=(-(-m // bm) * -(-n // bn), splits), name="fp8_matmul", num_warps=config.num_warps,
       num_stages=config.num_stages, N=n, K=k, BLOCK_M=bm, BLOCK_N=bn,
       PER_SPLIT=-(-kb // splits), SPLIT=splits > 1, A_COL=a_layout == "col", GROUP_M=GROUP_M,
-      # wgmma needs 64 rows in M: with fewer tokens the weight's rows take M (pallas.py).
+      # Hopper's fp8 MMA (wgmma) needs 64 rows in M: with fewer tokens, compute w . a^T so
+      # the weight's rows fill M and the tokens sit in N (8 to 256 allowed).
       SWAP=bm < 64 <= bn)
   return out if splits == 1 else out.sum(axis=0).astype(out_dtype)
