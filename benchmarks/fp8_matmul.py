@@ -15,8 +15,8 @@ With --sweep, every case also times the Pallas kernel under the candidate tiling
 `sweep_configs` (input already quantised) and writes fp8_matmul_sweep.json: the data the
 heuristics are set from.
 
-Run: python benchmarks/fp8_matmul.py [--ms 1 4096 ...] [--triton] [--out DIR] [--commit SHA]
-     [--smoke] [--sweep]
+Run: python benchmarks/fp8_matmul.py [--ms 1 4096 ...] [--extra triton mosaic_gpu] [--out DIR]
+     [--commit SHA] [--smoke] [--sweep]
 """
 
 from __future__ import annotations
@@ -79,8 +79,10 @@ IMPLS = {
     "xla_bf16": lambda x, qa, qw, sw, wb: x @ wb.T,
     "xla_dequant": lambda x, qa, qw, sw, wb: x @ dequantize_weight(qw, sw).astype(jnp.bfloat16).T,
 }
-TRITON_IMPLS = {
+# Opt-in columns (--extra): jax-triton's kernel and the Hopper Mosaic GPU kernel.
+EXTRA_IMPLS = {
     "triton": lambda x, qa, qw, sw, wb: fp8_matmul(qa, qw, sw, implementation="triton"),
+    "mosaic_gpu": lambda x, qa, qw, sw, wb: fp8_matmul(qa, qw, sw, implementation="mosaic_gpu"),
 }
 
 
@@ -130,10 +132,11 @@ def main():
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on CPU")
   ap.add_argument("--sweep", action="store_true", help="only the tiling sweep (see docstring)")
   ap.add_argument("--ms", nargs="+", type=int, default=MS)
-  ap.add_argument("--triton", action="store_true", help="also time implementation='triton'")
+  ap.add_argument("--extra", nargs="*", default=[], choices=sorted(EXTRA_IMPLS),
+                  help="also time these implementations")
   args = ap.parse_args()
   ms, nks = ((1, 16), ((256, 384),)) if args.smoke else (args.ms, NKS)
-  impls = dict(IMPLS, **TRITON_IMPLS) if args.triton else IMPLS
+  impls = dict(IMPLS, **{name: EXTRA_IMPLS[name] for name in args.extra})
 
   bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
   bf16 = bf16_tflops(256 if args.smoke else 8192)
@@ -151,7 +154,7 @@ def main():
     x, qa, qw, sw, wb = make(1)[0]
     want = fp8_matmul(qa, qw, sw, implementation="xla")
     ok = {impl: rel_rms(fp8_matmul(qa, qw, sw, implementation=impl), want) <= 2.0**-8
-          for impl in ("pallas", "triton") if impl in impls}
+          for impl in ("pallas", *args.extra)}
     flops = 2 * m * n * k
     nbytes = n * k + (-(-n // 128)) * (-(-k // 128)) * 4 + m * k + m * (-(-k // 128)) * 4 + m * n * 2
     floor = max(flops / (fp8_peak * 1e12), nbytes / (bw * 1e12))

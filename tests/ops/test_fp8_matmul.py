@@ -13,6 +13,7 @@ from jfusedq import (QuantizedActivation, _target, default_format, fp8_matmul, g
 from jfusedq.nn import quantize_weight
 from jfusedq.ops._dispatch import Unsupported
 from jfusedq.ops.fp8_matmul import Config
+from jfusedq.ops.fp8_matmul.mosaic_gpu import Config as MosaicConfig
 from jfusedq.ops.fp8_matmul import pallas as mm_pallas
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
 from jfusedq.testing import rel_rms
@@ -167,3 +168,55 @@ def test_lowers(target, layout, config):
   scale = S((5, 12) if layout == "row" else (12, 5), jnp.float32)
   text = lower(target, fn, S((5, 1536), fp8), scale, S((2112, 1536), fp8), S((17, 12), jnp.float32))
   assert text.count(TRITON_CALL) == 1
+
+
+# Mosaic GPU (Hopper wgmma) kernel: run by the GPU interpreter on CPU, lowered for the H200.
+# Opt-in and outside the shared parametrisation: it takes K % 128 == 0 and N % 64 == 0 only.
+@pytest.mark.parametrize("m_shape,n,k,layout,config", [
+    ((1,), 128, 256, "row", None),  # decode row, padded to a 64-row tile
+    ((100,), 192, 384, "col", None),  # N only a multiple of 64, M padded
+    ((2, 40), 256, 256, "row", MosaicConfig(128, 128, stages=2)),
+    ((64,), 128, 512, "col", MosaicConfig(64, 64, stages=1)),
+], ids=str)
+def test_mosaic_gpu(m_shape, n, k, layout, config):
+  x, qw, sw = problem(("mosaic", m_shape, n, k), m_shape, n, k)
+  qa = group_quant(x, layout=layout, implementation="xla")
+  got = fp8_matmul(qa, qw, sw, implementation="mosaic_gpu", config=config)
+  assert_close(got, fp8_matmul(qa, qw, sw, implementation="xla"))
+  # bf16 input: quantised by Pallas for it, same result as the tuple.
+  np.testing.assert_array_equal(np.asarray(fp8_matmul(x, qw, sw, implementation="mosaic_gpu",
+                                                      config=config)), np.asarray(got))
+
+
+def test_mosaic_gpu_declines():
+  x, qw, sw = problem(("mosaic_declines",), (3,), 256, 300)
+  with pytest.raises(Unsupported, match="K % 128"):
+    fp8_matmul(x, qw, sw, implementation="mosaic_gpu")
+  # The default order never includes it; a sequence falls through to the next backend.
+  assert_close(fp8_matmul(x, qw, sw, implementation=("mosaic_gpu", "xla")),
+               fp8_matmul(x, qw, sw, implementation="xla"))
+  x, qw, sw = problem(("mosaic_fnuz",), (3,), 256, 256, "e4m3fnuz")
+  with pytest.raises(Unsupported, match="e4m3fn"):
+    fp8_matmul(x, qw, sw, implementation="mosaic_gpu")
+  with pytest.raises(Unsupported, match="not this kernel's"):
+    fp8_matmul(x, qw, sw, implementation="mosaic_gpu", config=Config(16, 64))
+  with pytest.raises(ValueError, match="block_m"):
+    MosaicConfig(32, 64)
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("target", TARGETS)
+def test_mosaic_gpu_lowers(target):
+  S = jax.ShapeDtypeStruct
+  fp8 = jnp.float8_e4m3fn
+
+  def fn(q, s, w, sw):
+    return fp8_matmul(QuantizedActivation(q, s), w, sw, implementation="mosaic_gpu")
+
+  args = S((256, 1536), fp8), S((256, 12), jnp.float32), S((2112, 1536), fp8), S((17, 12),
+                                                                                   jnp.float32)
+  if target != "h200":
+    with pytest.raises(Unsupported):
+      lower(target, fn, *args)
+    return
+  assert "mosaic_gpu" in lower(target, fn, *args)

@@ -12,7 +12,7 @@ from jfusedq import _target
 from jfusedq.fp8 import E4M3FN, E4M3FNUZ, Fp8Format, QuantizedActivation
 from jfusedq.ops import _common
 from jfusedq.ops._dispatch import Unsupported, dispatch
-from jfusedq.ops.fp8_matmul import pallas, reference, triton
+from jfusedq.ops.fp8_matmul import mosaic_gpu, pallas, reference, triton
 from jfusedq.ops.group_quant import group_quant
 
 BLOCK = reference.BLOCK
@@ -36,9 +36,10 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
     a: `[..., K]` array or QuantizedActivation (`q [..., K]`, scale per layout).
     weight: `[N, K]` float8_e4m3fn or float8_e4m3fnuz; any N, K.
     weight_scale: `[ceil(N/128), ceil(K/128)]` float32.
-    implementation: "pallas", "triton", "xla", a sequence tried in order, or None (best
-      available).
-    config: tiling (Pallas and Triton); default from `pallas.heuristics` (by M and device).
+    implementation: "pallas", "triton", "mosaic_gpu" (Hopper, opt-in: not yet measured),
+      "xla", a sequence tried in order, or None (best available).
+    config: tiling: `pallas.Config` (Pallas and Triton; default `pallas.heuristics`, by M and
+      device) or `mosaic_gpu.Config`.
   """
   n, k = _check_weight(weight, weight_scale)
   qa = _quantized(a, weight, k, implementation)
@@ -46,7 +47,7 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
   def xla():
     return reference.fp8_matmul(qa, weight, weight_scale, out_dtype)
 
-  def tiled(kernels):
+  def tiled(kernels, heuristics):
     def run():
       *lead, _ = qa.q.shape
       m = math.prod(lead)
@@ -55,15 +56,20 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
       if weight.dtype == E4M3FNUZ and _target.current().platform == "cuda":
         raise Unsupported("NVIDIA tensor cores have no float8_e4m3fnuz dot; use e4m3fn weights "
                           "there, or implementation='xla'")
+      if config is not None and not isinstance(config, kernels.Config):
+        raise Unsupported(f"config is a {type(config).__module__}.Config, not this kernel's")
       sa = qa.scale.reshape(m, -1) if qa.layout == "row" else qa.scale.reshape(-1, m)
-      cfg = config or pallas.heuristics(m, n, k)
+      cfg = config or heuristics(m, n, k)
       out = kernels.fp8_matmul(qa.q.reshape(m, k), sa, qa.layout, weight, weight_scale, cfg,
                                out_dtype)
       return out.reshape(*lead, n)
     return run
 
-  return dispatch("fp8_matmul", {"pallas": tiled(pallas), "triton": tiled(triton), "xla": xla},
-                  implementation)
+  backends = {"pallas": tiled(pallas, pallas.heuristics),
+              "triton": tiled(triton, pallas.heuristics),
+              "mosaic_gpu": tiled(mosaic_gpu, lambda m, n, k: mosaic_gpu.heuristics(m, n)),
+              "xla": xla}
+  return dispatch("fp8_matmul", backends, implementation)
 
 
 def _check_weight(weight, weight_scale) -> tuple[int, int]:
@@ -94,9 +100,13 @@ def _quantized(a, weight, k, implementation) -> QuantizedActivation:
     if a.ndim < 1:
       raise ValueError("a must have at least one dimension (K)")
     # The GEMM's backend choice carries to its quantisation step, which may still fall back
-    # to XLA for a width its kernel cannot tile (the GEMM itself takes any K).
+    # to XLA for a width its kernel cannot tile (the GEMM itself takes any K). Mosaic GPU has
+    # no quantisation kernel: Pallas quantises for it.
     if isinstance(implementation, str):
-      implementation = tuple(dict.fromkeys((implementation, "xla")))
+      implementation = (implementation, "xla")
+    if implementation is not None:
+      implementation = tuple(dict.fromkeys({"mosaic_gpu": "pallas"}.get(i, i)
+                                           for i in implementation))
     a = group_quant(a, group_size=BLOCK, fmt=_format_of(weight.dtype),
                     implementation=implementation)
   if a.q.shape[-1] != k:
