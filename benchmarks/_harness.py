@@ -98,6 +98,21 @@ def copy_tbps(gib: float = 2.0) -> float:
   return 2 * n * 4 / (m["kernel_s"] or m["chain_s"]) / 1e12
 
 
+def copy_seconds(nbytes: int) -> float:
+  """Device time of a copy moving `nbytes` (half read, half written): the same-size ceiling.
+
+  A small kernel pays a fixed launch and tail cost that the 2 GiB copy of `copy_tbps` hides;
+  this is the yardstick a kernel of that size can actually be held to.
+  """
+  n = max(1, nbytes // 8)
+
+  def make(count):
+    return [(jnp.full((n,), i + 1.5, jnp.float32),) for i in range(count)]
+
+  m = measure(lambda a: a * 2.0, make, 5)
+  return m["kernel_s"] or m["chain_s"]
+
+
 def write_results(name: str, rows: list[dict], ceilings: dict, commit: str, out_dir: str) -> str:
   dev = jax.devices()[0]
   doc = {

@@ -5,7 +5,8 @@ Per call: FLOPs = 2*M*N*K. Bytes = N*K (fp8 weight) + ceil(N/128)*ceil(K/128)*4 
 + M*K (fp8 activation) + M*ceil(K/128)*4 (activation scales) + M*N*2 (bf16 output).
 Roofline time = max(FLOPs / FP8 peak, bytes / copy bandwidth); the FP8 peak used is
 2 x the bf16 dot rate measured in the same run (Hopper's FP8 tensor-core rate is twice bf16's).
-"weight TB/s" = N*K / time, the decode figure of merit.
+"weight TB/s" = N*K / time, the decode figure of merit. For M <= 64, `same_size_frac` = time
+of a copy moving the same bytes / time: the ceiling a kernel of that size can reach.
 
 Implementations timed: `pallas` (input already quantised: the fused-norm handoff),
 `pallas+quant` (bf16 input, quantised per call by group_quant), `xla_bf16` (bf16 x bf16 dot,
@@ -158,6 +159,8 @@ def main():
     flops = 2 * m * n * k
     nbytes = n * k + (-(-n // 128)) * (-(-k // 128)) * 4 + m * k + m * (-(-k // 128)) * 4 + m * n * 2
     floor = max(flops / (fp8_peak * 1e12), nbytes / (bw * 1e12))
+    # The same bytes copied: the ceiling of a kernel this size (launch and tail included).
+    same = _harness.copy_seconds(nbytes) if m <= 64 else None
     config = mm_pallas.heuristics(m, n, k)
     # Few calls per jit: each Pallas call in it is compiled separately (seconds per case).
     n_calls = 4
@@ -170,6 +173,7 @@ def main():
       rows.append(dict(case=dict(M=m, N=n, K=k), impl=impl, time_us=round(sec * 1e6, 3),
                        tbps=round(n * k / sec / 1e12, 3), tflops=round(flops / sec / 1e12, 1),
                        roofline_frac=round(floor / sec, 3), vs_xla=None,
+                       same_size_frac=same and round(same / sec, 3),
                        correct=bool(ok.get(impl.split("+")[0], True)),
                        config=str(config) if impl.startswith("pallas") else None,
                        chain_us=round(t["chain_s"] * 1e6, 3) if t["chain_s"] else None,

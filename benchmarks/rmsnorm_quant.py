@@ -5,7 +5,9 @@ Bytes each call must move (B = bytes per input element, 2 for bf16, G = 128):
                               + T*H*B (residual out) + T*H (fp8 codes) + T*ceil(H/G)*4 (scales)
   MLA pair (no residual):     T*H*B + H*B + T*H + T*ceil(H/G)*4       (q_a_layernorm, quantised)
                               + T*H2*B + H2*B + T*H2*B                (kv_a_layernorm, bf16)
-Roofline = those bytes / the device copy bandwidth measured in the same run.
+Roofline = those bytes / the device copy bandwidth measured in the same run (a 2 GiB copy).
+`same_size_frac` = time of a copy moving the case's bytes / the kernel's time: the ceiling a
+kernel of that size can reach, fixed launch and tail costs included.
 
 Run: python benchmarks/rmsnorm_quant.py [--impls xla pallas triton] [--ts 1 4096 ...] [--sweep]
      [--out DIR] [--commit SHA]
@@ -103,7 +105,7 @@ def main():
   cases += [dict(T=t, H=1536, H2=512) for t in args.ts]
   rows = []
   print(f"{'case':>32} {'impl':>18} {'us':>8} {'chain':>8} {'kern':>4} {'TB/s':>5} {'roof':>5}"
-        f" {'vs_xla':>6} ok")
+        f" {'same':>5} {'vs_xla':>6} ok")
   for n_case, case in enumerate(cases):
     t, h, h2 = case["T"], case["H"], case.get("H2", 0)
     residual = not h2
@@ -114,6 +116,7 @@ def main():
     if args.sweep and t >= 4096:
       configs += [(f"pallas(br={br},nw={nw})", Config(br, nw))
                   for br in (1, 2, 4) for nw in (4, 8, 16)]
+    same = _harness.copy_seconds(nbytes)
     xla = None
     for impl, config in configs:
       ok = True if impl == "xla" else check(make, impl.split("(")[0], config)
@@ -124,12 +127,14 @@ def main():
       rows.append(dict(case=dict(case, residual=residual), impl=impl, time_us=round(sec * 1e6, 3),
                        tbps=round(tbps, 3), tflops=None, roofline_frac=round(tbps / bw, 3),
                        vs_xla=round(xla / sec, 3), correct=ok, bytes=nbytes,
+                       copy_same_bytes_us=round(same * 1e6, 3),
+                       same_size_frac=round(same / sec, 3),
                        chain_us=round(m["chain_s"] * 1e6, 3), config=None if config is None
                        else str(config),
                        kernels_per_call=m["kernels_per_call"]))
       print(f"{str(case):>32} {impl:>18} {sec * 1e6:8.2f} {m['chain_s'] * 1e6:8.2f} "
-            f"{m['kernels_per_call'] or 0:4.1f} {tbps:5.2f} {tbps / bw:5.2f} {xla / sec:6.2f} "
-            f"{'yes' if ok else 'NO'}", flush=True)
+            f"{m['kernels_per_call'] or 0:4.1f} {tbps:5.2f} {tbps / bw:5.2f} {same / sec:5.2f} "
+            f"{xla / sec:6.2f} {'yes' if ok else 'NO'}", flush=True)
       # Rewritten after every row so that a run cut short still leaves its measurements.
       path = _harness.write_results("rmsnorm_quant", rows, {"copy_tbps": round(bw, 3)},
                                     args.commit, args.out)
