@@ -1,26 +1,32 @@
 #!/usr/bin/env bash
-# One device call: the kernel tests on the GPU, then the benchmarks named as arguments
-# (default: the single-GPU ones). Everything lands in $OUT (tests.log, junit.xml,
-# <benchmark>.json, <benchmark>.log). Left out, as proved on CPU: lowering tests (abstract
-# devices), tests/parallel and test_hlo (meshes of simulated CPU devices), tests/models (they read the
-# HF reference under build/, too big to carry). BENCH_ARGS adds flags (e.g. --sweep).
-# Usage on the device: bash benchmarks/gpu_run.sh <commit-sha> [rmsnorm_quant fp8_matmul ...]
+# One device call: the kernel tests on the GPU, then the benchmarks named as arguments, each
+# "name" or "name:flags" (e.g. "fp8_matmul:--extra triton mosaic_gpu --ms 1 4096"); none named:
+# none run. Everything lands in $OUT (tests.log, junit.xml, <benchmark>.json, <benchmark>.log).
+# Left out, as proved on CPU: lowering tests (abstract devices), tests/parallel and test_hlo
+# (meshes of simulated CPU devices), tests/models (they read the HF reference under build/,
+# too big to carry). TESTS=0 skips the tests; TEST_TIMEOUT and BENCH_TIMEOUT (each benchmark)
+# bound the parts. jax-triton: carry `.whl` and install it first (benchmarks/NOTES.md).
+# Usage on the device: bash benchmarks/gpu_run.sh <commit-sha> [name[:flags] ...]
 set -uo pipefail
 commit=${1:?commit sha of the code being measured}; shift
-benches=("${@:-rmsnorm_quant fp8_matmul}")
 export PYTHONUNBUFFERED=1
 out=${OUT:-out}; mkdir -p "$out"
 # WORKERS (default 8) share GPU 0: cap each one's memory pool instead of preallocating 75%.
 # -v prints each result as it lands, so a run cut off by the timeout still names its failures.
 # The triton cases run where jax-triton imports (carry its wheel), and skip elsewhere.
 workers=${WORKERS:-8}
-XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.7 / $workers, 3))") \
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n "$workers" -v -rf \
-  -p no:cacheprovider -p no:benchmark -m "not lowering" --junitxml="$out/junit.xml" \
-  tests/ops tests/nn tests/test_fp8.py tests/test_triton.py \
-  2>&1 | tee "$out/tests.log" | grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" | tail -30
-for b in ${benches[@]}; do
-  timeout "${BENCH_TIMEOUT:-300}" python3 "benchmarks/$b.py" --out "$out" --commit "$commit" \
-    ${BENCH_ARGS:-} \
-    2>&1 | tee "$out/$b.log" | tail -40
+if [ "${TESTS:-1}" != 0 ]; then
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.7 / $workers, 3))") \
+    timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n "$workers" -v -rf \
+    -p no:cacheprovider -p no:benchmark -m "not lowering" --junitxml="$out/junit.xml" \
+    tests/ops tests/nn tests/test_fp8.py tests/test_triton.py \
+    2>&1 | tee "$out/tests.log" | grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" | tail -30
+fi
+for spec in "$@"; do
+  name=${spec%%:*}
+  flags=""
+  [ "$spec" != "$name" ] && flags=${spec#*:}
+  # shellcheck disable=SC2086  # flags are meant to split into words
+  timeout "${BENCH_TIMEOUT:-300}" python3 "benchmarks/$name.py" --out "$out" --commit "$commit" \
+    $flags 2>&1 | tee "$out/$name.log" | tail -40
 done
