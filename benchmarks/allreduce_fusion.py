@@ -32,7 +32,8 @@ ar_norm_then_quant quantises the bf16 norm: scales 2**-8, 5% of codes), residual
 (sequence_parallel: within a bf16 rounding) and every replicated output equal on all devices;
 generic itself against the single-device XLA op on the psum.
 
-Run: python benchmarks/allreduce_fusion.py [--keep-bf16] [--smoke] [--out DIR] [--commit SHA]
+Run: python benchmarks/allreduce_fusion.py [--keep-bf16] [--ts 1 ...] [--hs 4096 ...] [--smoke]
+     [--out DIR] [--commit SHA]
 """
 
 from __future__ import annotations
@@ -180,6 +181,8 @@ def main():
   ap.add_argument("--keep-bf16", action="store_true", help="also return the bf16 copy (GDN)")
   ap.add_argument("--smoke", action="store_true",
                   help="tiny shapes, any devices: check that everything runs and agrees")
+  ap.add_argument("--ts", nargs="+", type=int, default=TS)
+  ap.add_argument("--hs", nargs="+", type=int, default=HS)
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--commit", default="unknown")
   args = ap.parse_args()
@@ -188,7 +191,7 @@ def main():
   devices = jax.devices()
   n = len(devices)
   mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
-  ts, hs = ((1, 8, 2 * n), (576, 2112)) if args.smoke else (TS, HS)
+  ts, hs = ((1, 8, 2 * n), (576, 2112)) if args.smoke else (args.ts, args.hs)
   bw = None if args.smoke else _harness.copy_tbps()
   print(f"{n} x {devices[0].device_kind}; copy bandwidth "
         f"{'not measured (smoke)' if bw is None else f'{bw:.2f} TB/s'}")
