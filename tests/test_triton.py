@@ -1,8 +1,12 @@
-"""The optional Triton backend's plumbing, provable on CPU: the jax-triton API shim and the
-error an explicit implementation="triton" gives where it cannot run."""
+"""The optional Triton backend, as far as CPU proves it: the jax-triton API shim, the error an
+explicit implementation="triton" gives where it cannot run, and every kernel compiled ahead of
+time for sm90, gfx942 and gfx950 (where the `triton` package is installed)."""
+
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jfusedq import Fp8Format, Unsupported, _triton, fp8_matmul, group_quant, rmsnorm, rmsnorm_quant
@@ -50,3 +54,113 @@ def test_explicit_triton_on_cpu_names_what_is_missing():
     with pytest.raises(Unsupported, match=r"triton needs a CUDA or ROCm GPU \(and jax-triton\)"):
       call()
   assert not _triton.available()
+
+
+# --- ahead-of-time compile of every Triton kernel for sm90, gfx942 and gfx950 ---------------
+# The public ops run with jax-triton replaced by a recorder (their outputs are zeros: only the
+# recorded kernel, arguments and constexprs matter), then each recorded call is compiled by
+# Triton itself for the target: the Triton path's counterpart of the Pallas lowering tests.
+
+AOT = {"h200": ("cuda", "NVIDIA H200", 90, 32), "gfx942": ("rocm", "gfx942", "gfx942", 64),
+       "gfx950": ("rocm", "gfx950", "gfx950", 64)}
+# jax-triton's pointer types per dtype.
+PTR = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32", "uint8": "*u8",
+       "float8_e4m3fn": "*fp8e4nv", "float8_e4m3fnuz": "*fp8e4b8"}
+
+
+class Recorder:
+  def __init__(self):
+    self.calls = []
+
+  def triton_call(self, *args, kernel, out_shape, grid, name="", num_warps=4, num_stages=3,
+                  **constexprs):
+    self.calls.append((kernel, args, out_shape, num_warps, num_stages, constexprs))
+    many = isinstance(out_shape, (list, tuple))
+    outs = [jnp.zeros(s.shape, s.dtype) for s in (out_shape if many else [out_shape])]
+    return outs if many else outs[0]
+
+
+def recorded_calls(monkeypatch, target, ops):
+  from jfusedq import _target
+  platform, kind = AOT[target][:2]
+  recorder = Recorder()
+  monkeypatch.setattr(_target, "current", lambda: _target.Target(platform, kind))
+  monkeypatch.setattr(_triton, "_jax_triton", lambda: recorder)
+  for op in ops:
+    op()
+  return recorder.calls
+
+
+def compile_call(target, call):
+  triton = pytest.importorskip("triton")
+  from triton.backends.compiler import GPUTarget
+  from triton.compiler import ASTSource
+  kernel, args, out_shape, num_warps, num_stages, constexprs = call
+  outs = out_shape if isinstance(out_shape, (list, tuple)) else [out_shape]
+  types = [PTR[jnp.dtype(a.dtype).name] if hasattr(a, "dtype") else "i32" for a in args]
+  types += [PTR[jnp.dtype(o.dtype).name] for o in outs]
+  names = kernel.arg_names
+  assert len(types) + len(constexprs) == len(names), (names, types, constexprs)
+  signature = dict(zip([n for n in names if n not in constexprs], types))
+  signature.update({n: "constexpr" for n in constexprs})
+  # jax-triton hands every array over 16-byte aligned.
+  attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+           if signature[n].startswith("*")}
+  src = ASTSource(kernel, signature=signature, constexprs=dict(constexprs), attrs=attrs)
+  platform, _, arch, warp = AOT[target]
+  gpu = GPUTarget("cuda" if platform == "cuda" else "hip", arch, warp)
+  return triton.compile(src, target=gpu, options=dict(num_warps=num_warps,
+                                                      num_stages=num_stages))
+
+
+def row_ops():
+  r = np.random.default_rng(7)
+  x = jnp.asarray(r.standard_normal((6, 2112)), jnp.bfloat16)
+  res = jnp.asarray(r.standard_normal((6, 2112)), jnp.bfloat16)
+  w = jnp.asarray(r.standard_normal(2112), jnp.bfloat16)
+  x2 = jnp.asarray(r.standard_normal((6, 576)), jnp.bfloat16)
+  w2 = jnp.asarray(r.standard_normal(576), jnp.bfloat16)
+  fnuz = Fp8Format.e4m3fnuz()
+  return [lambda: group_quant(x, implementation="triton"),
+          lambda: group_quant(x, fmt=fnuz, group_size=64, layout="col", ue8m0=True,
+                              implementation="triton"),
+          lambda: rmsnorm_quant(x, w, residual=res, x2=x2, weight2=w2, keep_hp=True,
+                                weight_offset=1.0, implementation="triton"),
+          lambda: rmsnorm(x, w, residual=res, implementation="triton")]
+
+
+def matmul_ops(fmt):
+  r = np.random.default_rng(8)
+  qw, sw = quantize_weight(jnp.asarray(r.standard_normal((2112, 1536)), jnp.float32), fmt)
+  x = jnp.asarray(r.standard_normal((2, 1536)), jnp.bfloat16)
+  xl = jnp.asarray(r.standard_normal((300, 1536)), jnp.bfloat16)
+  qa = group_quant(x, fmt=fmt, implementation="xla")
+  qal = group_quant(xl, fmt=fmt, layout="col", implementation="xla")
+  return [lambda: fp8_matmul(qa, qw, sw, implementation="triton"),  # K split, swapped
+          lambda: fp8_matmul(qal, qw, sw, implementation="triton")]  # 64 x 128, col scales
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("target", AOT)
+def test_row_kernels_compile(monkeypatch, target):
+  pytest.importorskip("triton")
+  calls = recorded_calls(monkeypatch, target, row_ops())
+  assert len(calls) == 4
+  for call in calls:
+    compile_call(target, call)
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("target", AOT)
+def test_matmul_compiles_to_fp8_mma(monkeypatch, target):
+  pytest.importorskip("triton")
+  fmt = Fp8Format.e4m3fnuz() if target == "gfx942" else Fp8Format.e4m3fn()
+  calls = recorded_calls(monkeypatch, target, matmul_ops(fmt))
+  assert len(calls) == 2
+  for call in calls:
+    asm = compile_call(target, call).asm
+    if target == "h200":
+      # The FP8 tensor cores, for decode (swapped, tokens in N) and prefill tiles alike.
+      assert "wgmma.mma_async" in asm["ptx"] and "e4m3.e4m3" in asm["ptx"]
+    else:  # fp8 MFMA: ..._fp8_fp8 on gfx942 (fnuz), ..._f8f6f4 on gfx950
+      assert re.search(r"v_mfma_f32_\w+_(fp8_fp8|f8f6f4)", asm["amdgcn"])

@@ -6,9 +6,9 @@ block of `width >= K` columns (7168 -> 8192); masked loads and stores keep the p
 memory, and the padding's zeros leave every group's amax as it is. Rows are masked too, so no
 tiling constraint remains on T or K (unlike Pallas-Triton, which needs power-of-two chunks).
 
-FP8 codes: a native cast (round to nearest even) for e4m3fn, and for e4m3fnuz on ROCm; Triton's
-NVIDIA backend has no fnuz conversions, so there the kernel writes the fnuz bits computed with
-integer ops (`fp8.encode_e4m3fnuz`) and the caller bitcasts them.
+FP8 codes: a native cast (round to nearest even) for e4m3fn, and for e4m3fnuz on gfx942 whose
+format it is; elsewhere (NVIDIA, gfx950) the kernel writes the fnuz bits computed with integer
+ops (`fp8.encode_e4m3fnuz`) and the caller bitcasts them (`fnuz_bits`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from jfusedq import _target, _triton
 from jfusedq._triton import tl
-from jfusedq.fp8 import E4M3FNUZ, Fp8Format
+from jfusedq.fp8 import E4M3FNUZ, Fp8Format, default_format
 from jfusedq.ops import _common
 from jfusedq.ops._dispatch import Unsupported
 from jfusedq.ops.group_quant.pallas import Config, to_fp8
@@ -46,8 +46,11 @@ def heuristics(rows: int, width: int) -> Config:
 
 
 def fnuz_bits(fmt: Fp8Format, target: _target.Target) -> bool:
-  """Whether the kernel writes fnuz codes as integer bits (no native conversion on CUDA)."""
-  return fmt.dtype == E4M3FNUZ and target.platform == "cuda"
+  """Whether the kernel writes fnuz codes as integer bits: wherever fnuz is not the device's
+  own format. Triton's NVIDIA backend has no fnuz conversion, and its gfx950 one fails an
+  assertion in Triton 3.6 (seen compiling for gfx950 on CPU); gfx942 converts natively."""
+  return fmt.dtype == E4M3FNUZ and default_format(target.device_kind,
+                                                  target.platform).dtype != E4M3FNUZ
 
 
 def quant_out_shapes(rows: int, k: int, fmt: Fp8Format, group_size: int, layout: str,
