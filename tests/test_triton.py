@@ -109,8 +109,9 @@ def compile_call(target, call):
   src = ASTSource(kernel, signature=signature, constexprs=dict(constexprs), attrs=attrs)
   platform, _, arch, warp = AOT[target]
   gpu = GPUTarget("cuda" if platform == "cuda" else "hip", arch, warp)
-  return triton.compile(src, target=gpu, options=dict(num_warps=num_warps,
-                                                      num_stages=num_stages))
+  # FP fusion on, as jax-triton compiles (and explicit: Triton 3.10 changes the default).
+  return triton.compile(src, target=gpu, options=dict(num_warps=num_warps, num_stages=num_stages,
+                                                      enable_fp_fusion=True))
 
 
 def row_ops():
