@@ -6,13 +6,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jfusedq.fp8 import E4M3FN, E4M3FNUZ, Fp8Format
+from jfusedq.fp8 import E4M3FN, E4M3FNUZ, Fp8Format, resolve_format
 
 BLOCK = 128
 
 
-def quantize_weight(w: jax.Array, fmt: Fp8Format, block: int = BLOCK):
+def quantize_weight(w: jax.Array, fmt: Fp8Format | str | None = None, block: int = BLOCK):
   """`w [N, K]` float -> (q [N, K] fp8, scale [ceil(N/b), ceil(K/b)] f32), DeepSeek format.
+
+  `fmt`: an Fp8Format, "e4m3fn" / "e4m3fnuz", or None for the device's native format (as the
+  activation ops take it).
 
   Per block: scale = max(amax, 1e-10) / fp8_max, q = fp8(clamp(w / scale)); a partial block is
   zero-padded for its amax (padding never raises it). `scale` multiplies the dequantised
@@ -22,6 +25,7 @@ def quantize_weight(w: jax.Array, fmt: Fp8Format, block: int = BLOCK):
     raise ValueError(f"weight must be [N, K], got shape {w.shape}")
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise TypeError(f"weight must be floating point, got {w.dtype}")
+  fmt = resolve_format(fmt)
   n, k = w.shape
   nb, kb = -(-n // block), -(-k // block)
   wp = jnp.pad(w.astype(jnp.float32), ((0, nb * block - n), (0, kb * block - k)))

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from helpers import FORMATS, activations, rng
-from jfusedq import Fp8Format, QuantizedActivation, rmsnorm_quant
+from jfusedq import Fp8Format, QuantizedActivation, default_format, rmsnorm_quant
 from jfusedq.nn import Fp8Linear, Linear, e4m3fn_to_e4m3fnuz, quantize_weight
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
 from jfusedq.testing import rel_rms
@@ -29,6 +29,19 @@ def test_quantize_weight(fmt, n, k):
   err = np.abs(np.asarray(dequantize_weight(q, s)) - w)
   floor = np.repeat(np.repeat(np.asarray(s), 128, 0), 128, 1)[:n, :k] * 2.0**-9
   assert np.all(err <= np.abs(w) * 2.0**-4 + floor)
+
+
+def test_quantize_weight_format_names():
+  """A format name or None (the device's native format) means the same as the Fp8Format."""
+  w = jnp.asarray(rng("qw_names").standard_normal((130, 260)), jnp.float32)
+  for name in ("e4m3fn", "e4m3fnuz"):
+    want = quantize_weight(w, getattr(Fp8Format, name)())
+    got = quantize_weight(w, name)
+    assert got[0].dtype == want[0].dtype
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+  assert quantize_weight(w)[0].dtype == default_format().dtype
+  with pytest.raises(ValueError, match="fmt must be"):
+    quantize_weight(w, "e5m2")
 
 
 def test_e4m3fn_to_e4m3fnuz():
