@@ -89,27 +89,22 @@ def copy_tbps(gib: float = 2.0) -> float:
   An elementwise `a * 2` over `gib` GiB of f32 (one read, one write per element), timed like
   the ops: profiler kernel time where available, the chain slope otherwise.
   """
-  n = int(gib * 2**30) // 4
-
-  def make(count):
-    return [(jnp.full((n,), i + 1.5, jnp.float32),) for i in range(count)]
-
-  m = measure(lambda a: a * 2.0, make, 3)
-  return 2 * n * 4 / (m["kernel_s"] or m["chain_s"]) / 1e12
+  nbytes = 2 * (int(gib * 2**30) // 4) * 4
+  return nbytes / copy_seconds(nbytes, calls=3) / 1e12
 
 
-def copy_seconds(nbytes: int) -> float:
+def copy_seconds(nbytes: int, calls: int = 5) -> float:
   """Device time of a copy moving `nbytes` (half read, half written): the same-size ceiling.
 
   A small kernel pays a fixed launch and tail cost that the 2 GiB copy of `copy_tbps` hides;
-  this is the yardstick a kernel of that size can actually be held to.
+  this is the yardstick a kernel of that size can actually be held to. `calls` per timed jit.
   """
   n = max(1, nbytes // 8)
 
   def make(count):
     return [(jnp.full((n,), i + 1.5, jnp.float32),) for i in range(count)]
 
-  m = measure(lambda a: a * 2.0, make, 5)
+  m = measure(lambda a: a * 2.0, make, calls)
   return m["kernel_s"] or m["chain_s"]
 
 
