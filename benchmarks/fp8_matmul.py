@@ -12,12 +12,13 @@ Implementations timed: `pallas` (input already quantised: the fused-norm handoff
 `pallas+quant` (bf16 input, quantised per call by group_quant), `xla_bf16` (bf16 x bf16 dot,
 unquantised weight), `xla_dequant` (dequantise the fp8 weight to bf16, then the bf16 dot).
 
-With --sweep, every case also times the Pallas kernel under the candidate tilings of
-`sweep_configs` (input already quantised) and writes fp8_matmul_sweep.json: the data the
-heuristics are set from.
+With --sweep, every case instead times the kernel of `--sweep-impl` (pallas or triton) under
+the candidate tilings of `sweep_configs` (input already quantised) and writes
+fp8_matmul_sweep[_triton].json: the data the heuristics are set from. --nks picks shapes
+(e.g. 12288x4096) and --tag suffixes the results file (fp8_matmul_<tag>.json).
 
-Run: python benchmarks/fp8_matmul.py [--ms 1 4096 ...] [--extra triton mosaic_gpu] [--out DIR]
-     [--commit SHA] [--smoke] [--sweep]
+Run: python benchmarks/fp8_matmul.py [--ms 1 4096 ...] [--nks NxK ...] [--extra triton mosaic_gpu]
+     [--out DIR] [--commit SHA] [--tag T] [--smoke] [--sweep [--sweep-impl triton]]
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import _harness  # noqa: E402
 from jfusedq import default_format, fp8_matmul, group_quant  # noqa: E402
 from jfusedq.nn import quantize_weight  # noqa: E402
 from jfusedq.ops.fp8_matmul import pallas as mm_pallas  # noqa: E402
+from jfusedq.ops.fp8_matmul import triton as mm_triton  # noqa: E402
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight  # noqa: E402
 from jfusedq.ops._common import pow2_floor  # noqa: E402
 from jfusedq.testing import rel_rms  # noqa: E402
@@ -87,41 +89,49 @@ EXTRA_IMPLS = {
 }
 
 
-def sweep_configs(m: int, n: int, k: int) -> list[mm_pallas.Config]:
+HEURISTICS = {"pallas": mm_pallas.heuristics, "triton": mm_triton.heuristics}
+
+
+def sweep_configs(impl: str, m: int, n: int, k: int) -> list[mm_pallas.Config]:
   """The heuristic's pick and its neighbours: tile width, K split, warps, stages."""
-  h = mm_pallas.heuristics(m, n, k)
+  h = HEURISTICS[impl](m, n, k)
   kb = -(-k // mm_pallas.BLOCK_K)
   if m <= 64:
     cands = [mm_pallas.Config(h.block_m, bn, s, 4, 4) for bn in (32, 64, 128)
              for s in dict.fromkeys((h.k_splits, min(2 * h.k_splits, pow2_floor(kb))))]
-  else:
+  elif impl == "pallas":
     cands = [mm_pallas.Config(bm, bn, 1, w, st)
              for bm, bn, w, st in ((64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3),
                                    (128, 128, 8, 4), (256, 128, 8, 3))]
+  else:  # Triton's wgmma tiles: one or two warp groups, 3 to 5 stages in flight
+    cands = [mm_pallas.Config(bm, bn, 1, w, st)
+             for bm, bn, w, st in ((64, 128, 4, 3), (64, 128, 4, 5), (128, 128, 4, 3),
+                                   (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 4),
+                                   (256, 128, 8, 3))]
   return [h] + [c for c in dict.fromkeys(cands) if c != h]
 
 
-def run_sweep(ms, nks, fp8_peak, bw, commit, out):
+def run_sweep(impl, ms, nks, fp8_peak, bw, commit, out):
   rows = []
-  print(f"\nsweep (pallas, quantised input): {'M':>5} {'N':>6} {'K':>6} {'us':>9} config")
+  print(f"\nsweep ({impl}, quantised input): {'M':>5} {'N':>6} {'K':>6} {'us':>9} config")
   for seed, ((n, k), m) in enumerate((nk, m) for nk in nks for m in ms):
     make = make_problem(m, n, k, seed)
     x, qa, qw, sw, wb = make(1)[0]
     want = fp8_matmul(qa, qw, sw, implementation="xla")
     flops = 2 * m * n * k
-    for cfg in sweep_configs(m, n, k):
-      op = lambda x, qa, qw, sw, wb, cfg=cfg: fp8_matmul(qa, qw, sw, implementation="pallas",
+    for cfg in sweep_configs(impl, m, n, k):
+      op = lambda x, qa, qw, sw, wb, cfg=cfg: fp8_matmul(qa, qw, sw, implementation=impl,
                                                          config=cfg)
       ok = rel_rms(op(x, qa, qw, sw, wb), want) <= 2.0**-8
       t = _harness.measure(op, make, 4, chain=False)
       sec = t["kernel_s"] or t["chain_s"]
-      rows.append(dict(case=dict(M=m, N=n, K=k), impl="pallas", time_us=round(sec * 1e6, 3),
+      rows.append(dict(case=dict(M=m, N=n, K=k), impl=impl, time_us=round(sec * 1e6, 3),
                        tbps=round(n * k / sec / 1e12, 3), tflops=round(flops / sec / 1e12, 1),
                        roofline_frac=None, vs_xla=None, correct=bool(ok), config=str(cfg),
-                       heuristic=cfg == mm_pallas.heuristics(m, n, k)))
+                       heuristic=cfg == HEURISTICS[impl](m, n, k)))
       print(f"{m:>38} {n:>6} {k:>6} {sec * 1e6:9.2f} {cfg} {'' if ok else 'CHECK FAILED'}",
             flush=True)
-    _harness.write_results("fp8_matmul_sweep", rows,
+    _harness.write_results("fp8_matmul_sweep" + ("" if impl == "pallas" else f"_{impl}"), rows,
                            {"copy_tbps": round(bw, 3), "fp8_peak_tflops": round(fp8_peak, 1)},
                            commit, out)
 
@@ -132,12 +142,17 @@ def main():
   ap.add_argument("--commit", default="unknown")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on CPU")
   ap.add_argument("--sweep", action="store_true", help="only the tiling sweep (see docstring)")
+  ap.add_argument("--sweep-impl", default="pallas", choices=sorted(HEURISTICS))
   ap.add_argument("--ms", nargs="+", type=int, default=MS)
+  ap.add_argument("--nks", nargs="+", default=None, help="N x K shapes, e.g. 12288x4096")
+  ap.add_argument("--tag", default="", help="results file fp8_matmul_<tag>.json")
   ap.add_argument("--extra", nargs="*", default=[], choices=sorted(EXTRA_IMPLS),
                   help="also time these implementations")
   args = ap.parse_args()
-  ms, nks = ((1, 16), ((256, 384),)) if args.smoke else (args.ms, NKS)
-  impls = dict(IMPLS, **{name: EXTRA_IMPLS[name] for name in args.extra})
+  nks = tuple(tuple(int(d) for d in nk.split("x")) for nk in args.nks) if args.nks else NKS
+  ms, nks = ((1, 16), ((256, 384),)) if args.smoke else (args.ms, nks)
+  name = "fp8_matmul" + (f"_{args.tag}" if args.tag else "")
+  impls = dict(IMPLS, **{extra: EXTRA_IMPLS[extra] for extra in args.extra})
 
   bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
   bf16 = bf16_tflops(256 if args.smoke else 8192)
@@ -145,7 +160,8 @@ def main():
   print(f"device {jax.devices()[0].device_kind}: copy {bw:.2f} TB/s, bf16 dot {bf16:.0f} TFLOP/s,"
         f" FP8 peak taken as {fp8_peak:.0f} TFLOP/s")
   if args.sweep:  # M = 16 tiles like M = 1 (block_m 16): left out to keep the run short
-    return run_sweep([m for m in ms if m in (1, 64, 256, 4096)], nks, fp8_peak, bw, args.commit, args.out)
+    return run_sweep(args.sweep_impl, [m for m in ms if m in (1, 64, 256, 4096)], nks, fp8_peak,
+                     bw, args.commit, args.out)
   print(__doc__.split("\n\n")[1])
   rows = []
   print(f"{'M':>5} {'N':>6} {'K':>6} {'impl':>13} {'us':>9} {'TFLOP/s':>8} {'wTB/s':>6} "
@@ -161,7 +177,7 @@ def main():
     floor = max(flops / (fp8_peak * 1e12), nbytes / (bw * 1e12))
     # The same bytes copied: the ceiling of a kernel this size (launch and tail included).
     same = _harness.copy_seconds(nbytes) if m <= 64 else None
-    config = mm_pallas.heuristics(m, n, k)
+    configs = {impl: str(h(m, n, k)) for impl, h in HEURISTICS.items()}
     # Few calls per jit: each Pallas call in it is compiled separately (seconds per case).
     n_calls = 4
     base = None
@@ -175,7 +191,7 @@ def main():
                        roofline_frac=round(floor / sec, 3), vs_xla=None,
                        same_size_frac=same and round(same / sec, 3),
                        correct=bool(ok.get(impl.split("+")[0], True)),
-                       config=str(config) if impl.startswith("pallas") else None,
+                       config=configs.get(impl.split("+")[0]),
                        chain_us=round(t["chain_s"] * 1e6, 3) if t["chain_s"] else None,
                        kernels_per_call=t["kernels_per_call"]))
     for row in rows[-len(impls):]:
@@ -183,7 +199,7 @@ def main():
       print(f"{m:>5} {n:>6} {k:>6} {row['impl']:>13} {row['time_us']:9.2f} {row['tflops']:8.1f} "
             f"{row['tbps']:6.2f} {row['roofline_frac']:5.2f} {row['vs_xla']:7.2f} "
             f"{row['config'] or ''} {'' if row['correct'] else 'CHECK FAILED'}", flush=True)
-    _harness.write_results("fp8_matmul", rows,
+    _harness.write_results(name, rows,
                            {"copy_tbps": round(bw, 3), "bf16_tflops": round(bf16, 1)},
                            args.commit, args.out)
 

@@ -26,7 +26,9 @@ for spec in "$@"; do
   name=${spec%%:*}
   flags=""
   [ "$spec" != "$name" ] && flags=${spec#*:}
+  log="$out/$name.log"
+  i=2; while [ -e "$log" ]; do log="$out/$name.$i.log"; i=$((i + 1)); done  # a benchmark run twice
   # shellcheck disable=SC2086  # flags are meant to split into words
   timeout "${BENCH_TIMEOUT:-300}" python3 "benchmarks/$name.py" --out "$out" --commit "$commit" \
-    $flags 2>&1 | tee "$out/$name.log" | tail -40
+    $flags 2>&1 | tee "$log" | tail -40
 done

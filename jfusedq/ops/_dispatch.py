@@ -21,16 +21,21 @@ class Unsupported(NotImplementedError):
   """A backend cannot build this call (shape, option or platform); the next one may."""
 
 
-def default_order(target: _target.Target | None = None) -> tuple[str, ...]:
+GPU_ORDER = ("pallas", "triton", "xla")
+
+
+def default_order(target: _target.Target | None = None,
+                  gpu: Sequence[str] = GPU_ORDER) -> tuple[str, ...]:
+  """`gpu` on a GPU (an op may measure a different best order); XLA alone elsewhere."""
   target = target or _target.current()
   # Interpret mode makes Pallas correct but slow on CPU: there XLA is the fast path.
-  return ("pallas", "triton", "xla") if target.is_gpu else ("xla",)
+  return tuple(gpu) if target.is_gpu else ("xla",)
 
 
 def dispatch(op: str, backends: dict[str, Callable], implementation: str | Sequence[str] | None,
-             *args, **kwargs):
+             *args, gpu_order: Sequence[str] = GPU_ORDER, **kwargs):
   if implementation is None:
-    order = default_order()
+    order = default_order(gpu=gpu_order)
   elif isinstance(implementation, str):
     order = (implementation,)
   else:

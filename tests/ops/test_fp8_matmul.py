@@ -195,11 +195,12 @@ def test_mosaic_gpu_declines():
   # The default order never includes it; a sequence falls through to the next backend.
   assert_close(fp8_matmul(x, qw, sw, implementation=("mosaic_gpu", "xla")),
                fp8_matmul(x, qw, sw, implementation="xla"))
+  x, qw, sw = problem(("mosaic_config",), (3,), 256, 256)
+  with pytest.raises(Unsupported, match="not this kernel's"):
+    fp8_matmul(x, qw, sw, implementation="mosaic_gpu", config=Config(16, 64))
   x, qw, sw = problem(("mosaic_fnuz",), (3,), 256, 256, "e4m3fnuz")
   with pytest.raises(Unsupported, match="e4m3fn"):
     fp8_matmul(x, qw, sw, implementation="mosaic_gpu")
-  with pytest.raises(Unsupported, match="not this kernel's"):
-    fp8_matmul(x, qw, sw, implementation="mosaic_gpu", config=Config(16, 64))
   with pytest.raises(ValueError, match="block_m"):
     MosaicConfig(32, 64)
 

@@ -16,6 +16,10 @@ from jfusedq.ops.fp8_matmul import mosaic_gpu, pallas, reference, triton
 from jfusedq.ops.group_quant import group_quant
 
 BLOCK = reference.BLOCK
+# Measured on the H200 (benchmarks/results/fp8_matmul.json): the jax-triton kernel ran 1.05-1.3x
+# the Pallas one at M <= 64 and 2.1x at M = 4096, where the Pallas-Triton lowering feeds fp8 to
+# f16 mma.sync instead of fp8 wgmma. Without jax-triton it declines and Pallas runs.
+GPU_ORDER = ("triton", "pallas", "xla")
 
 
 def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_scale: jax.Array, *,
@@ -36,10 +40,10 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
     a: `[..., K]` array or QuantizedActivation (`q [..., K]`, scale per layout).
     weight: `[N, K]` float8_e4m3fn or float8_e4m3fnuz; any N, K.
     weight_scale: `[ceil(N/128), ceil(K/128)]` float32.
-    implementation: "pallas", "triton", "mosaic_gpu" (Hopper, opt-in: not yet measured),
-      "xla", a sequence tried in order, or None (best available).
-    config: tiling: `pallas.Config` (Pallas and Triton; default `pallas.heuristics`, by M and
-      device) or `mosaic_gpu.Config`.
+    implementation: "triton", "pallas", "mosaic_gpu" (Hopper, opt-in: slower than Triton on
+      the H200), "xla", a sequence tried in order, or None (`GPU_ORDER` on a GPU, else XLA).
+    config: tiling: `pallas.Config` (Pallas and Triton; default `pallas.heuristics` /
+      `triton.heuristics`, by M and device) or `mosaic_gpu.Config`.
   """
   n, k = _check_weight(weight, weight_scale)
   qa = _quantized(a, weight, k, implementation)
@@ -66,10 +70,10 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
     return run
 
   backends = {"pallas": tiled(pallas, pallas.heuristics),
-              "triton": tiled(triton, pallas.heuristics),
+              "triton": tiled(triton, triton.heuristics),
               "mosaic_gpu": tiled(mosaic_gpu, lambda m, n, k: mosaic_gpu.heuristics(m, n)),
               "xla": xla}
-  return dispatch("fp8_matmul", backends, implementation)
+  return dispatch("fp8_matmul", backends, implementation, gpu_order=GPU_ORDER)
 
 
 def _check_weight(weight, weight_scale) -> tuple[int, int]:
