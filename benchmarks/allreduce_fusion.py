@@ -185,6 +185,7 @@ def main():
   ap.add_argument("--hs", nargs="+", type=int, default=HS)
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--commit", default="unknown")
+  ap.add_argument("--tag", default="", help="results file allreduce_fusion_<tag>.json")
   args = ap.parse_args()
   keep = args.keep_bf16
 
@@ -244,9 +245,9 @@ def main():
             f"{r['tbps']:7.3f} {num(r['roofline_frac'], 7)} {num(r['vs_xla'], 6)} "
             f"{'*' if r['default'] else ' ':>7} {'yes' if ok else 'NO'}", flush=True)
       # Rewritten after every row so that a run cut short still leaves its measurements.
-      path = _harness.write_results("allreduce_fusion", rows,
-                                    {} if bw is None else {"copy_tbps": round(bw, 3)},
-                                    args.commit, args.out)
+      path = _harness.write_results(
+          f"allreduce_fusion_{args.tag}" if args.tag else "allreduce_fusion", rows,
+          {} if bw is None else {"copy_tbps": round(bw, 3)}, args.commit, args.out)
   print("wrote", path)
   if not all(r["correct"] for r in rows):
     sys.exit(1)

@@ -94,6 +94,7 @@ def main():
   ap.add_argument("--ts", nargs="+", type=int, default=TS)
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--commit", default="unknown")
+  ap.add_argument("--tag", default="", help="results file rmsnorm_quant_<tag>.json")
   args = ap.parse_args()
 
   bw = _harness.copy_tbps()
@@ -136,8 +137,9 @@ def main():
             f"{m['kernels_per_call'] or 0:4.1f} {tbps:5.2f} {tbps / bw:5.2f} {same / sec:5.2f} "
             f"{xla / sec:6.2f} {'yes' if ok else 'NO'}", flush=True)
       # Rewritten after every row so that a run cut short still leaves its measurements.
-      path = _harness.write_results("rmsnorm_quant", rows, {"copy_tbps": round(bw, 3)},
-                                    args.commit, args.out)
+      path = _harness.write_results(
+          f"rmsnorm_quant_{args.tag}" if args.tag else "rmsnorm_quant", rows,
+          {"copy_tbps": round(bw, 3)}, args.commit, args.out)
   print("wrote", path)
 
 

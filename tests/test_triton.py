@@ -11,6 +11,7 @@ import pytest
 
 from jfusedq import Fp8Format, Unsupported, _triton, fp8_matmul, group_quant, rmsnorm, rmsnorm_quant
 from jfusedq.nn import quantize_weight
+from jfusedq.ops.fp8_matmul import Config
 
 
 def test_out_keyword_follows_the_installed_api():
@@ -137,8 +138,10 @@ def matmul_ops(fmt):
   xl = jnp.asarray(r.standard_normal((300, 1536)), jnp.bfloat16)
   qa = group_quant(x, fmt=fmt, implementation="xla")
   qal = group_quant(xl, fmt=fmt, layout="col", implementation="xla")
+  big = Config(128, 128, 1, num_warps=8, num_stages=4)  # two warp groups (large M)
   return [lambda: fp8_matmul(qa, qw, sw, implementation="triton"),  # K split, swapped
-          lambda: fp8_matmul(qal, qw, sw, implementation="triton")]  # 64 x 128, col scales
+          lambda: fp8_matmul(qal, qw, sw, implementation="triton"),  # 64 x 128, col scales
+          lambda: fp8_matmul(qal, qw, sw, implementation="triton", config=big)]
 
 
 @pytest.mark.lowering
@@ -157,7 +160,7 @@ def test_matmul_compiles_to_fp8_mma(monkeypatch, target):
   pytest.importorskip("triton")
   fmt = Fp8Format.e4m3fnuz() if target == "gfx942" else Fp8Format.e4m3fn()
   calls = recorded_calls(monkeypatch, target, matmul_ops(fmt))
-  assert len(calls) == 2
+  assert len(calls) == 3
   for call in calls:
     asm = compile_call(target, call).asm
     if target == "h200":

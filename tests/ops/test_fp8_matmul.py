@@ -15,6 +15,7 @@ from jfusedq.ops._dispatch import Unsupported
 from jfusedq.ops.fp8_matmul import Config
 from jfusedq.ops.fp8_matmul.mosaic_gpu import Config as MosaicConfig
 from jfusedq.ops.fp8_matmul import pallas as mm_pallas
+from jfusedq.ops.fp8_matmul import triton as mm_triton
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
 from jfusedq.testing import rel_rms
 
@@ -106,7 +107,8 @@ def test_column_major_scales(impl):
 
 def heuristic_configs():
   kinds = ["NVIDIA H200", "AMD Instinct MI300X", "gfx950", "cpu"]
-  return sorted({mm_pallas.heuristics(m, n, k, kind) for kind in kinds
+  return sorted({h(m, n, k, kind) for kind in kinds
+                 for h in (mm_pallas.heuristics, mm_triton.heuristics)
                  for m in (1, 16, 64, 256, 4096)
                  for n, k in ((2112, 7168), (24576, 1536), (7168, 16384), (12288, 4096),
                               (4096, 8192))}, key=str)
@@ -119,6 +121,16 @@ def test_every_heuristic_config(impl, config):
   x, qw, sw = problem(("config", str(config)), (20,), 200, 1100)
   got = fp8_matmul(x, qw, sw, implementation=impl, config=config)
   assert_close(got, fp8_matmul(x, qw, sw, implementation="xla"))
+
+
+def test_triton_heuristics_by_wave_fill():
+  # The H200 sweep: 128 x 128 tiles where they fill the last wave, 64 x 128 where it is ragged.
+  big = mm_triton.heuristics(4096, 7168, 16384, "NVIDIA H200")
+  assert (big.block_m, big.block_n, big.num_warps) == (128, 128, 8)
+  assert mm_triton.heuristics(4096, 2112, 7168, "NVIDIA H200") == mm_pallas.heuristics(
+      4096, 2112, 7168, "NVIDIA H200")
+  assert mm_triton.heuristics(1, 7168, 16384, "NVIDIA H200") == mm_pallas.heuristics(
+      1, 7168, 16384, "NVIDIA H200")
 
 
 @pytest.mark.parametrize("impl", ["pallas", TRITON])

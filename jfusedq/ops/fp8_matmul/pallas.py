@@ -58,7 +58,7 @@ _SMS = {"h200": 132, "h100": 132, "mi300": 304, "mi325": 304, "mi355": 256, "mi3
         "gfx942": 304, "gfx950": 256}
 
 
-def _sm_count(device_kind: str) -> int:
+def sm_count(device_kind: str) -> int:
   kind = device_kind.lower()
   return next((n for key, n in _SMS.items() if key in kind), 128)
 
@@ -78,7 +78,7 @@ def heuristics(m: int, n: int, k: int, device_kind: str | None = None) -> Config
     block_m = max(16, pl.next_power_of_2(m))
     block_n = 64
     tiles = -(-m // block_m) * -(-n // block_n)
-    want = max(1, (4 if m <= 16 else 2) * _sm_count(device_kind) // tiles)
+    want = max(1, (4 if m <= 16 else 2) * sm_count(device_kind) // tiles)
     k_splits = min(_common.pow2_floor(want), 8, _common.pow2_floor(kb))
     return Config(block_m, block_n, k_splits, num_warps=4, num_stages=4)
   return Config(64, 128, 1, num_warps=4, num_stages=4)

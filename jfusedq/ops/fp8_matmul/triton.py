@@ -15,10 +15,12 @@ and the MMA); a masked load fills with +0, a code in both formats.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
-from jfusedq import _triton
+from jfusedq import _target, _triton
 from jfusedq._triton import tl
 from jfusedq.ops.fp8_matmul import pallas
 from jfusedq.ops.fp8_matmul.pallas import BLOCK_K, Config
@@ -84,8 +86,19 @@ def _kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, m, o_ptr, N: tl.constexpr, K: tl.const
 
 
 def heuristics(m: int, n: int, k: int, device_kind: str | None = None) -> Config:
-  """Pallas's tiling, which the H200 run of results/fp8_matmul.json timed for this kernel too
-  (M <= 64: 0.47-0.94 of the weight-read roofline; M = 4096: 0.90-0.92x XLA's bf16 dot)."""
+  """Pallas's tiling, except 128 x 128 tiles of two warp groups where they fill the GPU.
+
+  From the H200 sweep (benchmarks/results/fp8_matmul_sweep_triton.json, M = 4096): 128 x 128
+  tiles, 8 warps, 4 stages ran 1-12% faster than 64 x 128 of 4 warps (1072 vs 1218 us at
+  N, K = 7168, 16384) where the tiles fill the last wave of programs to >= 90%; with a ragged
+  last wave (4.1 waves at N = 2112) the smaller tile won by 4%, as it did at M <= 64, where
+  Pallas's decode tiling also held against its neighbours.
+  """
+  device_kind = device_kind or _target.current().device_kind
+  if m > 64:
+    waves = -(-m // 128) * -(-n // 128) / pallas.sm_count(device_kind)
+    if waves >= 1 and waves / math.ceil(waves) >= 0.9:
+      return Config(128, 128, 1, num_warps=8, num_stages=4)
   return pallas.heuristics(m, n, k, device_kind)
 
 
