@@ -50,6 +50,7 @@ from jfusedq.ops._dispatch import Unsupported
 from jfusedq.ops.group_quant import group_quant
 from jfusedq.ops.rmsnorm import rmsnorm
 from jfusedq.ops.rmsnorm_quant import rmsnorm_quant
+from jfusedq.ops.rmsnorm_quant.api import GPU_ORDER as RMSNORM_QUANT_ORDER
 
 log = logging.getLogger("jfusedq")
 
@@ -123,16 +124,19 @@ def _resolve(op: str, strategy, build: Callable[[str], Any], log_choice: bool = 
   raise Unsupported(f"{op}: no strategy could run this call: " + "; ".join(skipped))
 
 
-def _op_impl(implementation):
-  # With no implementation asked for, the kernel strategies ask each op for exactly the
-  # platform's best backend (Pallas on GPU, XLA on CPU): a kernel that declines then makes the
-  # strategy fall through, instead of the op quietly running its XLA path under its name.
-  return _dispatch.default_order()[0] if implementation is None else implementation
+def _op_impl(implementation, gpu_order: Sequence[str] = _dispatch.GPU_ORDER):
+  # With no implementation asked for, the kernel strategies ask an op for its kernel backends
+  # only (best first on GPU; XLA alone on CPU): when every kernel declines, the strategy falls
+  # through, instead of the op quietly running its XLA path under the strategy's name.
+  if implementation is not None:
+    return implementation
+  order = _dispatch.default_order(gpu=gpu_order)
+  return tuple(name for name in order if name != "xla") or order
 
 
 def _fused(h, residual, weight, *, keep_bf16, implementation, **kw):
   out = rmsnorm_quant(h, weight, residual=residual, keep_hp=keep_bf16,
-                      implementation=_op_impl(implementation), **kw)
+                      implementation=_op_impl(implementation, RMSNORM_QUANT_ORDER), **kw)
   return out.quant, out.residual
 
 

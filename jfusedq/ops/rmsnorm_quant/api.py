@@ -15,6 +15,11 @@ from jfusedq.ops.rmsnorm_quant import pallas, reference, triton
 from jfusedq.ops.rmsnorm_quant.reference import RmsNormQuantOutput
 
 
+# Measured on the H200 (benchmarks/results/rmsnorm_quant_triton.json): the jax-triton kernel ran
+# 1.07-1.3x the Pallas one at every T and H (0.90-0.92 of copy bandwidth at T = 16384, where
+# Pallas reached 0.83-0.85). Without jax-triton it declines and Pallas runs.
+GPU_ORDER = ("triton", "pallas", "xla")
+
 def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None = None,
                   eps: float = 1e-6, weight_offset: float = 0.0, group_size: int = 128,
                   fmt: Fp8Format | str | None = None, layout: str = "row", ue8m0: bool = False,
@@ -40,8 +45,8 @@ def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None
     group_size, fmt, layout, ue8m0: as for `group_quant`.
     keep_hp: also return the normalised activation in x.dtype (`quant.hp`).
     x2, weight2, eps2: the optional second, norm-only input (eps2 defaults to eps).
-    implementation: "pallas", "triton", "xla", a sequence tried in order, or None (best
-      available).
+    implementation: "triton", "pallas", "xla", a sequence tried in order, or None
+      (`GPU_ORDER` on a GPU, else XLA).
     config: rows and warps per program (Pallas and Triton); default from each one's heuristics.
   Returns:
     RmsNormQuantOutput(quant, residual, norm2); residual / norm2 are None when not asked for.
@@ -74,7 +79,7 @@ def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None
     return run
 
   return dispatch("rmsnorm_quant", {"pallas": rowwise(pallas), "triton": rowwise(triton),
-                                    "xla": xla}, implementation)
+                                    "xla": xla}, implementation, gpu_order=GPU_ORDER)
 
 
 def check_inputs(x, weight, residual, group_size, layout, x2, weight2) -> None:
