@@ -2,7 +2,7 @@
 
 from jfusedq.fp8 import Fp8Format, QuantizedActivation, default_format
 from jfusedq.ops._dispatch import Unsupported
-from jfusedq.ops.fp8_matmul import fp8_matmul
+from jfusedq.ops.fp8_matmul import fp8_matmul, grouped_fp8_matmul
 from jfusedq.ops.group_quant import group_quant
 from jfusedq.ops.rmsnorm import RmsNormOutput, rmsnorm
 from jfusedq.ops.rmsnorm_quant import RmsNormQuantOutput, rmsnorm_quant
@@ -23,6 +23,7 @@ __all__ = [
     "default_format",
     "fp8_matmul",
     "group_quant",
+    "grouped_fp8_matmul",
     "reduce_scatter_rmsnorm_quant",
     "rmsnorm",
     "rmsnorm_quant",

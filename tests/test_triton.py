@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfusedq import Fp8Format, Unsupported, _triton, fp8_matmul, group_quant, rmsnorm, rmsnorm_quant
+from jfusedq import (Fp8Format, Unsupported, _triton, fp8_matmul, group_quant, grouped_fp8_matmul,
+                     rmsnorm, rmsnorm_quant)
 from jfusedq.nn import quantize_weight
 from jfusedq.ops.fp8_matmul import Config
 
@@ -66,7 +67,7 @@ AOT = {"h200": ("cuda", "NVIDIA H200", 90, 32), "gfx942": ("rocm", "gfx942", "gf
        "gfx950": ("rocm", "gfx950", "gfx950", 64)}
 # jax-triton's pointer types per dtype.
 PTR = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32", "uint8": "*u8",
-       "float8_e4m3fn": "*fp8e4nv", "float8_e4m3fnuz": "*fp8e4b8"}
+       "int32": "*i32", "float8_e4m3fn": "*fp8e4nv", "float8_e4m3fnuz": "*fp8e4b8"}
 
 
 class Recorder:
@@ -139,9 +140,13 @@ def matmul_ops(fmt):
   qa = group_quant(x, fmt=fmt, implementation="xla")
   qal = group_quant(xl, fmt=fmt, layout="col", implementation="xla")
   big = Config(128, 128, 1, num_warps=8, num_stages=4)  # two warp groups (large M)
+  qg = group_quant(x[:, None], fmt=fmt, implementation="xla")  # 2 tokens, 2 experts each
+  ids = jnp.asarray([1, 0, 0, 1], jnp.int32)
   return [lambda: fp8_matmul(qa, qw, sw, implementation="triton"),  # K split, swapped
           lambda: fp8_matmul(qal, qw, sw, implementation="triton"),  # 64 x 128, col scales
-          lambda: fp8_matmul(qal, qw, sw, implementation="triton", config=big)]
+          lambda: fp8_matmul(qal, qw, sw, implementation="triton", config=big),
+          lambda: grouped_fp8_matmul(qg, jnp.stack([qw, qw]), jnp.stack([sw, sw]), ids,
+                                     implementation="triton")]
 
 
 @pytest.mark.lowering
@@ -160,7 +165,7 @@ def test_matmul_compiles_to_fp8_mma(monkeypatch, target):
   pytest.importorskip("triton")
   fmt = Fp8Format.e4m3fnuz() if target == "gfx942" else Fp8Format.e4m3fn()
   calls = recorded_calls(monkeypatch, target, matmul_ops(fmt))
-  assert len(calls) == 3
+  assert len(calls) == 4
   for call in calls:
     asm = compile_call(target, call).asm
     if target == "h200":

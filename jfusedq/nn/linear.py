@@ -10,7 +10,7 @@ from flax import nnx
 
 from jfusedq.fp8 import Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.nn.weights import quantize_weight
-from jfusedq.ops.fp8_matmul import fp8_matmul
+from jfusedq.ops.fp8_matmul import fp8_matmul, grouped_fp8_matmul
 
 _default_init = nnx.initializers.lecun_normal()
 
@@ -82,9 +82,10 @@ class StackedLinear(nnx.Module):
   """E projections with stacked weights: `y[e] = x W[e]^T`, W `[E, N, K]` (HF layout): MoE experts.
 
   FP8 (`fmt` given): `weight [E, N, K]` fp8 and `weight_scale_inv [E, ceil(N/128),
-  ceil(K/128)]` f32, one block-scaled GEMM per expert (as `Fp8Linear`); else `weight` in
-  param_dtype, read with the input's high-precision copy. `__call__`: every expert on every
-  row; `gathered`: only the experts `idx` picks per row.
+  ceil(K/128)]` f32, the block-scaled GEMM of every expert in one `grouped_fp8_matmul` (which
+  reads the weights in place: mapping `fp8_matmul` over experts sliced a copy of each); else
+  `weight` in param_dtype, read with the input's high-precision copy. `__call__`: every expert
+  on every row; `gathered`: only the experts `idx` picks per row.
   """
 
   def __init__(self, num: int, in_features: int, out_features: int, *,
@@ -99,8 +100,9 @@ class StackedLinear(nnx.Module):
       self.weight, self.weight_scale_inv = nnx.Param(w.astype(param_dtype)), None
     self.fmt, self.dtype, self.implementation = fmt, dtype, implementation
 
-  def _mm(self, a, w, s):
-    return fp8_matmul(a, w, s, out_dtype=self.dtype, implementation=self.implementation)
+  def _grouped(self, a, ids=None):
+    return grouped_fp8_matmul(a, self.weight[...], self.weight_scale_inv[...], ids,
+                              out_dtype=self.dtype, implementation=self.implementation)
 
   def _dense(self, x, w, spec: str) -> jax.Array:
     y = jnp.einsum(spec, high_precision(x).astype(self.dtype), w.astype(self.dtype),
@@ -110,18 +112,25 @@ class StackedLinear(nnx.Module):
   def __call__(self, x, *, batched: bool = False) -> jax.Array:
     """x `[..., K]` (array or QuantizedActivation), or `[E, ..., K]` with `batched` ->
     `[E, ..., N]`."""
-    w = self.weight[...]
     if self.fmt is not None:
-      return jax.vmap(self._mm, in_axes=(0 if batched else None, 0, 0))(
-          x, w, self.weight_scale_inv[...])
-    return self._dense(x, w, "e...k,enk->e...n" if batched else "...k,enk->e...n")
+      return self._grouped(x if batched else _leading(x, lambda t: t[None]))
+    return self._dense(x, self.weight[...], "e...k,enk->e...n" if batched else "...k,enk->e...n")
 
   def gathered(self, x, idx: jax.Array, *, batched: bool = False) -> jax.Array:
     """Row m through experts idx[m]: x `[M, K]` (or `[M, k, K]` with `batched`), idx `[M, k]`
     -> `[M, k, N]`. Reads M * k weight matrices, not E: the decode path."""
-    w = self.weight[...][idx]  # [M, k, N, K]
     if self.fmt is None:
+      w = self.weight[...][idx]  # [M, k, N, K]
       return self._dense(x, w, "mjk,mjnk->mjn" if batched else "mk,mjnk->mjn")
-    s = self.weight_scale_inv[...][idx]
-    per_row = jax.vmap(self._mm, in_axes=(0 if batched else None, 0, 0))  # over k
-    return jax.vmap(per_row)(x, w, s)  # over rows
+    m, k = idx.shape
+    # One product per (row, expert): row m's k products share its activation (group m).
+    rows = (lambda t: t.reshape(m * k, 1, t.shape[-1])) if batched else (lambda t: t[:, None])
+    return self._grouped(_leading(x, rows), idx.reshape(m * k)).reshape(m, k, -1)
+
+
+def _leading(x: jax.Array | QuantizedActivation, fn) -> jax.Array | QuantizedActivation:
+  """`fn` applied to the leading dims of an array, or of a QuantizedActivation's fp8 codes and
+  (row-major) scales."""
+  if isinstance(x, QuantizedActivation):
+    return QuantizedActivation(fn(x.q), fn(x.row_scale()), group_size=x.group_size)
+  return fn(x)

@@ -9,6 +9,7 @@ import pytest
 
 from helpers import FORMATS, TARGETS, TRITON, TRITON_CALL, activations, lower, rng
 from jfusedq import (QuantizedActivation, _target, default_format, fp8_matmul, group_quant,
+                     grouped_fp8_matmul,
                      rmsnorm_quant)
 from jfusedq.nn import quantize_weight
 from jfusedq.ops._dispatch import Unsupported
@@ -141,6 +142,65 @@ def test_jit_deterministic(impl):
   a, b = f(x), f(x)
   assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
   assert_close(a, fp8_matmul(x, qw, sw, implementation="xla"))
+
+
+def experts(key, e, n, k, fmt="e4m3fn"):
+  r = rng(*key)
+  w = jnp.asarray(r.standard_normal((e, n, k)) * np.exp(r.uniform(-1, 1, (e, n, 1))), jnp.float32)
+  qw, sw = jax.vmap(lambda a: quantize_weight(a, FORMATS[fmt]))(w)
+  return qw, sw * jnp.asarray(r.uniform(0.5, 2.0, sw.shape), jnp.float32)
+
+
+GROUPED = {  # (activation groups, leading dims of a group, expert of each product or None)
+    "dense": (1, (3,), None),               # every expert on the same rows (MoE prefill)
+    "batched": (5, (2, 3), None),           # expert e on its own rows (MoE down projection)
+    "gathered": (4, (1,), (3, 0, 0, 4, 1, 1, 2, 3)),  # 2 experts per token, repeats (decode)
+    "one_each": (8, (1,), (4, 0, 2, 2, 1, 3, 0, 4)),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", sorted(GROUPED))
+def test_grouped_equals_per_product(impl, case):
+  # 5 experts of N = 200, K = 300: partial blocks on both axes.
+  g, lead, ids = GROUPED[case]
+  qw, sw = experts(("grouped", case), 5, 200, 300)
+  x = activations(rng("grouped_x", case), (g, *lead, 300))
+  idx = None if ids is None else jnp.asarray(ids, jnp.int32)
+  got = grouped_fp8_matmul(x, qw, sw, idx, implementation=impl)
+  b = 5 if ids is None else len(ids)
+  assert got.shape == (b, *lead, 200)
+  for i in range(b):
+    e = i if ids is None else ids[i]
+    assert_close(got[i], fp8_matmul(x[i // (b // g)], qw[e], sw[e], implementation="xla"))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grouped_quantized_input_and_determinism(impl):
+  qw, sw = experts(("grouped_q",), 3, 130, 256)
+  x = activations(rng("grouped_q_x"), (3, 1, 256))
+  ids = jnp.asarray([2, 2, 0, 1, 1, 0], jnp.int32)
+  col = group_quant(x, layout="col", implementation="xla")
+  f = jax.jit(lambda a: grouped_fp8_matmul(a, qw, sw, ids, implementation=impl))
+  a, b = f(col), f(col)
+  assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  np.testing.assert_array_equal(np.asarray(a),
+                                np.asarray(grouped_fp8_matmul(x, qw, sw, ids, implementation=impl)))
+
+
+def test_grouped_errors():
+  qw, sw = experts(("grouped_err",), 3, 130, 256)
+  x = activations(rng("grouped_err_x"), (2, 1, 256))
+  with pytest.raises(ValueError, match="do not divide"):
+    grouped_fp8_matmul(x, qw, sw, jnp.asarray([0, 1, 2], jnp.int32))
+  with pytest.raises(ValueError, match="ids must be"):
+    grouped_fp8_matmul(x, qw, sw, jnp.asarray([0.0, 1.0]))
+  with pytest.raises(ValueError, match=r"\[E, N, K\]"):
+    grouped_fp8_matmul(x, qw[0], sw[0])
+  with pytest.raises(ValueError, match="weight_scale shape"):
+    grouped_fp8_matmul(x, qw, sw[:2], jnp.asarray([0, 1], jnp.int32))
+  with pytest.raises(ValueError, match="does not match the weight's K"):
+    grouped_fp8_matmul(x[..., :128], qw, sw, jnp.asarray([0, 1], jnp.int32))
 
 
 def test_errors():

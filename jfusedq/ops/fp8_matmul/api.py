@@ -57,11 +57,7 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
       m = math.prod(lead)
       if m == 0:
         return xla()
-      if weight.dtype == E4M3FNUZ and _target.current().platform == "cuda":
-        raise Unsupported("NVIDIA tensor cores have no float8_e4m3fnuz dot; use e4m3fn weights "
-                          "there, or implementation='xla'")
-      if config is not None and not isinstance(config, kernels.Config):
-        raise Unsupported(f"config is a {type(config).__module__}.Config, not this kernel's")
+      _check_kernel(weight, config, kernels)
       sa = qa.scale.reshape(m, -1) if qa.layout == "row" else qa.scale.reshape(-1, m)
       cfg = config or heuristics(m, n, k)
       out = kernels.fp8_matmul(qa.q.reshape(m, k), sa, qa.layout, weight, weight_scale, cfg,
@@ -76,18 +72,89 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
   return dispatch("fp8_matmul", backends, implementation, gpu_order=GPU_ORDER)
 
 
-def _check_weight(weight, weight_scale) -> tuple[int, int]:
-  if weight.ndim != 2:
-    raise ValueError(f"weight must be [N, K], got shape {weight.shape}")
+def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
+                       weight_scale: jax.Array, ids: jax.Array | None = None, *,
+                       out_dtype=jnp.bfloat16,
+                       implementation: str | Sequence[str] | None = None,
+                       config: pallas.Config | None = None) -> jax.Array:
+  """B block-scaled products in one call, for MoE experts: `out[b] = a[b // (B/G)] @ W[ids[b]]^T`.
+
+  Steps: as `fp8_matmul`, for every product b. The Triton kernel runs all B in one launch and
+  reads each expert's weight in place; the other backends gather `weight[ids]` (a copy) and
+  map `fp8_matmul` over the products.
+
+  Args:
+    a: `[G, ..., K]` array or QuantizedActivation (row or col scales; `hp` is not used).
+    weight: `[E, N, K]` fp8, E experts; weight_scale `[E, ceil(N/128), ceil(K/128)]` f32.
+    ids: `[B]` integer expert of each product, G dividing B, consecutive products sharing an
+      activation group (decode: token m's k experts are products m*k .. m*k+k-1). None: B = E
+      and product b uses expert b (every expert on its group of `a`). Values must lie in
+      [0, E): traced, they are not checked, and the Triton kernel reads by them unguarded.
+    implementation, config: as for `fp8_matmul` (the config tiles each product).
+  Returns:
+    `[B, ..., N]` in out_dtype.
+  """
+  n, k = _check_weight(weight, weight_scale, stacked=True)
+  e = weight.shape[0]
+  if ids is not None and (ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer)):
+    raise ValueError(f"ids must be a [B] integer array, got {ids.dtype}{list(ids.shape)}")
+  b = e if ids is None else ids.shape[0]
+  qa = _quantized(a, weight, k, implementation)
+  if qa.q.ndim < 2:
+    raise ValueError(f"a must be [G, ..., K], got shape {qa.q.shape}")
+  g, *lead, _ = qa.q.shape
+  if g == 0 or b % g:
+    raise ValueError(f"{g} activation groups do not divide {b} products")
+  m = math.prod(lead)
+  q3 = qa.q.reshape(g, m, k)
+  s3 = qa.row_scale().reshape(g, m, -1)
+
+  def per_product(impl):
+    def run():
+      w, ws = (weight, weight_scale) if ids is None else (weight[ids], weight_scale[ids])
+      one = lambda q, s, w, ws: fp8_matmul(QuantizedActivation(q, s), w, ws,
+                                           out_dtype=out_dtype, implementation=impl,
+                                           config=config)
+      # Over groups, then over the products sharing a group's activation (not repeated).
+      per_group = jax.vmap(jax.vmap(one, in_axes=(None, None, 0, 0)))
+      split = lambda t: t.reshape(g, b // g, *t.shape[1:])
+      return per_group(q3, s3, split(w), split(ws)).reshape(b, m, n)
+    return run
+
+  def triton_run():
+    if m == 0:
+      return per_product("xla")()
+    _check_kernel(weight, config, triton)
+    cfg = config or triton.heuristics(m, n, k, batch=b)
+    return triton.grouped_fp8_matmul(q3, s3, "row", weight, weight_scale, ids, cfg, out_dtype)
+
+  backends = {"triton": triton_run, "pallas": per_product("pallas"),
+              "mosaic_gpu": per_product("mosaic_gpu"), "xla": per_product("xla")}
+  out = dispatch("grouped_fp8_matmul", backends, implementation, gpu_order=GPU_ORDER)
+  return out.reshape(b, *lead, n)
+
+
+def _check_kernel(weight, config, kernels) -> None:
+  if weight.dtype == E4M3FNUZ and _target.current().platform == "cuda":
+    raise Unsupported("NVIDIA tensor cores have no float8_e4m3fnuz dot; use e4m3fn weights "
+                      "there, or implementation='xla'")
+  if config is not None and not isinstance(config, kernels.Config):
+    raise Unsupported(f"config is a {type(config).__module__}.Config, not this kernel's")
+
+
+def _check_weight(weight, weight_scale, stacked: bool = False) -> tuple[int, int]:
+  if weight.ndim != 2 + stacked:
+    raise ValueError(f"weight must be {'[E, N, K]' if stacked else '[N, K]'}, got shape "
+                     f"{weight.shape}")
   if jnp.dtype(weight.dtype) not in (E4M3FN, E4M3FNUZ):
     raise TypeError(f"weight must be float8_e4m3fn or float8_e4m3fnuz, got {weight.dtype}")
-  n, k = weight.shape
-  want = (-(-n // BLOCK), -(-k // BLOCK))
+  *lead, n, k = weight.shape
+  want = (*lead, -(-n // BLOCK), -(-k // BLOCK))
   if weight_scale.dtype != jnp.float32:
     raise TypeError(f"weight_scale must be float32, got {weight_scale.dtype}")
   if tuple(weight_scale.shape) != want:
     raise ValueError(f"weight_scale shape {tuple(weight_scale.shape)} does not match weight "
-                     f"{(n, k)} in {BLOCK}x{BLOCK} blocks: want {want}")
+                     f"{tuple(weight.shape)} in {BLOCK}x{BLOCK} blocks: want {want}")
   return n, k
 
 

@@ -63,8 +63,9 @@ def sm_count(device_kind: str) -> int:
   return next((n for key, n in _SMS.items() if key in kind), 128)
 
 
-def heuristics(m: int, n: int, k: int, device_kind: str | None = None) -> Config:
-  """Block sizes by M (and the device's SM count, for the K split).
+def heuristics(m: int, n: int, k: int, device_kind: str | None = None, batch: int = 1) -> Config:
+  """Block sizes by M (and the device's SM count, for the K split; `batch` products per launch
+  count as more tiles).
 
   Set from the H200 sweep (benchmarks/results/fp8_matmul_sweep.json). M <= 64 (decode) is
   bound by reading the weight: 64-column tiles, and K split until about four (M <= 16) or two
@@ -77,7 +78,7 @@ def heuristics(m: int, n: int, k: int, device_kind: str | None = None) -> Config
   if m <= 64:
     block_m = max(16, pl.next_power_of_2(m))
     block_n = 64
-    tiles = -(-m // block_m) * -(-n // block_n)
+    tiles = -(-m // block_m) * -(-n // block_n) * batch
     want = max(1, (4 if m <= 16 else 2) * sm_count(device_kind) // tiles)
     k_splits = min(_common.pow2_floor(want), 8, _common.pow2_floor(kb))
     return Config(block_m, block_n, k_splits, num_warps=4, num_stages=4)

@@ -8,6 +8,10 @@ divides 128, so a program's columns share one weight-scale row), accumulated in 
 and stores are masked, so M, N and K need not be multiples of anything. With K split, each
 split writes an f32 partial and XLA adds them (deterministic, unlike atomics).
 
+Grouped (MoE experts): the third grid axis runs B products in one launch, product b reading
+activation group b // A_DIV and weight `ids[b]` of a stacked `[E, N, K]` by pointer offset, so
+no expert's weight is sliced or gathered into a copy first.
+
 Tiling: `pallas.Config`, chosen by `heuristics`. The operands are loaded as fp8 (not
 as bytes bitcast in registers, which would route them through registers between shared memory
 and the MMA); a masked load fills with +0, a code in both formats.
@@ -29,18 +33,26 @@ GROUP_M = 8  # row blocks per L2 group
 
 
 @_triton.jit
-def _kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, m, o_ptr, N: tl.constexpr, K: tl.constexpr,
+def _kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.constexpr, K: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_SPLIT: tl.constexpr,
-            SPLIT: tl.constexpr, A_COL: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr):
+            A_COL: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr, A_DIV: tl.constexpr,
+            BATCH: tl.constexpr):
   BK: tl.constexpr = 128
   KB: tl.constexpr = (K + BK - 1) // BK
+  NB: tl.constexpr = (N + BK - 1) // BK
   GRID_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-  pid, pid_k = tl.program_id(0), tl.program_id(1)
+  pid, pid_k, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
   group = pid // (GROUP_M * GRID_N)
   first_m = group * GROUP_M
   size_m = tl.minimum(tl.cdiv(m, BLOCK_M) - first_m, GROUP_M)
   pid_m = first_m + (pid % (GROUP_M * GRID_N)) % size_m
   pid_n = (pid % (GROUP_M * GRID_N)) // size_m
+  expert = tl.load(ids_ptr + pid_b).to(tl.int64)
+  a_ptr += (pid_b // A_DIV).to(tl.int64) * m * K
+  sa_ptr += (pid_b // A_DIV).to(tl.int64) * m * KB
+  w_ptr += expert * N * K
+  sw_ptr += expert * NB * KB
+  o_ptr += (pid_k.to(tl.int64) * BATCH + pid_b) * m * N
 
   rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
   rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -80,12 +92,10 @@ def _kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, m, o_ptr, N: tl.constexpr, K: tl.const
     acc = tl.trans(acc)
 
   o_offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
-  if SPLIT:
-    o_offs += pid_k.to(tl.int64) * m * N
   tl.store(o_ptr + o_offs, acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def heuristics(m: int, n: int, k: int, device_kind: str | None = None) -> Config:
+def heuristics(m: int, n: int, k: int, device_kind: str | None = None, batch: int = 1) -> Config:
   """Pallas's tiling, except 128 x 128 tiles of two warp groups where they fill the GPU.
 
   From the H200 sweep (benchmarks/results/fp8_matmul_sweep_triton.json, M = 4096): 128 x 128
@@ -96,28 +106,42 @@ def heuristics(m: int, n: int, k: int, device_kind: str | None = None) -> Config
   """
   device_kind = device_kind or _target.current().device_kind
   if m > 64:
-    waves = -(-m // 128) * -(-n // 128) / pallas.sm_count(device_kind)
+    waves = -(-m // 128) * -(-n // 128) * batch / pallas.sm_count(device_kind)
     if waves >= 1 and waves / math.ceil(waves) >= 0.9:
       return Config(128, 128, 1, num_warps=8, num_stages=4)
-  return pallas.heuristics(m, n, k, device_kind)
+  return pallas.heuristics(m, n, k, device_kind, batch)
 
 
 def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: jax.Array,
                config: Config, out_dtype) -> jax.Array:
   """qa [M, K] fp8, sa [M, KB] ("row") or [KB, M] ("col"), qw [N, K], sw [NB, KB] -> [M, N]."""
+  return grouped_fp8_matmul(qa[None], sa[None], a_layout, qw[None], sw[None], None, config,
+                            out_dtype)[0]
+
+
+def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array,
+                       sw: jax.Array, ids: jax.Array | None, config: Config,
+                       out_dtype) -> jax.Array:
+  """out[b] = qa[b // (B / G)] . qw[ids[b]]^T with block scales -> [B, M, N].
+
+  qa [G, M, K] fp8, sa [G, M, KB] ("row") or [G, KB, M] ("col"), qw [E, N, K],
+  sw [E, NB, KB], ids [B] int32 (None: B = E, ids = 0..E-1); G divides B.
+  """
   _triton.require()  # e4m3fnuz on CUDA is declined by the api, for both kernels
-  m, k = qa.shape
-  n = qw.shape[0]
+  g, m, k = qa.shape
+  e, n, _ = qw.shape
+  ids = jnp.arange(e, dtype=jnp.int32) if ids is None else ids.astype(jnp.int32)
+  b = ids.shape[0]
   kb = -(-k // BLOCK_K)
   bm, bn, splits = config.block_m, config.block_n, config.k_splits
-  out_shape = (jax.ShapeDtypeStruct((m, n), out_dtype) if splits == 1
-               else jax.ShapeDtypeStruct((splits, m, n), jnp.float32))
+  out_shape = (jax.ShapeDtypeStruct((b, m, n), out_dtype) if splits == 1
+               else jax.ShapeDtypeStruct((splits, b, m, n), jnp.float32))
   out = _triton.call(
-      _kernel, qa, sa, qw, sw, m, out_shape=out_shape,
-      grid=(-(-m // bm) * -(-n // bn), splits), name="fp8_matmul", num_warps=config.num_warps,
-      num_stages=config.num_stages, N=n, K=k, BLOCK_M=bm, BLOCK_N=bn,
-      PER_SPLIT=-(-kb // splits), SPLIT=splits > 1, A_COL=a_layout == "col", GROUP_M=GROUP_M,
+      _kernel, qa, sa, qw, sw, ids, m, out_shape=out_shape,
+      grid=(-(-m // bm) * -(-n // bn), splits, b), name="fp8_matmul",
+      num_warps=config.num_warps, num_stages=config.num_stages, N=n, K=k, BLOCK_M=bm,
+      BLOCK_N=bn, PER_SPLIT=-(-kb // splits), A_COL=a_layout == "col", GROUP_M=GROUP_M,
       # Hopper's fp8 MMA (wgmma) needs 64 rows in M: with fewer tokens, compute w . a^T so
       # the weight's rows fill M and the tokens sit in N (8 to 256 allowed).
-      SWAP=bm < 64 <= bn)
+      SWAP=bm < 64 <= bn, A_DIV=b // g, BATCH=b)
   return out if splits == 1 else out.sum(axis=0).astype(out_dtype)
