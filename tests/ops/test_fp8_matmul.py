@@ -188,6 +188,23 @@ def test_grouped_quantized_input_and_determinism(impl):
                                 np.asarray(grouped_fp8_matmul(x, qw, sw, ids, implementation=impl)))
 
 
+@pytest.mark.lowering
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("gathered", [False, True], ids=["dense", "gathered"])
+def test_grouped_pallas_lowers_to_one_kernel(target, gathered):
+  # Pallas maps fp8_matmul over the products: vmap folds into the kernel's grid, one launch.
+  S = jax.ShapeDtypeStruct
+  fp8 = jnp.float8_e4m3fn
+  g, ids = (3, [S((6,), jnp.int32)]) if gathered else (5, [])
+
+  def fn(q, s, w, sw, *ids):
+    return grouped_fp8_matmul(QuantizedActivation(q, s), w, sw, *ids, implementation="pallas")
+
+  text = lower(target, fn, S((g, 4, 1536), fp8), S((g, 4, 12), jnp.float32),
+               S((5, 2112, 1536), fp8), S((5, 17, 12), jnp.float32), *ids)
+  assert text.count(TRITON_CALL) == 1
+
+
 def test_grouped_errors():
   qw, sw = experts(("grouped_err",), 3, 130, 256)
   x = activations(rng("grouped_err_x"), (2, 1, 256))
