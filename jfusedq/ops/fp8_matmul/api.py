@@ -16,9 +16,10 @@ from jfusedq.ops.fp8_matmul import mosaic_gpu, pallas, reference, triton
 from jfusedq.ops.group_quant import group_quant
 
 BLOCK = reference.BLOCK
-# Measured on the H200 (benchmarks/results/fp8_matmul.json): the jax-triton kernel ran 1.05-1.3x
-# the Pallas one at M <= 64 and 2.1x at M = 4096, where the Pallas-Triton lowering feeds fp8 to
-# f16 mma.sync instead of fp8 wgmma. Without jax-triton it declines and Pallas runs.
+# Measured on the H200 (benchmarks/results/fp8_matmul_*.json): the jax-triton kernel ran
+# 1.05-1.8x the Pallas one at M <= 64 and 2.0-2.3x at M = 4096, where the Pallas-Triton
+# lowering feeds fp8 to f16 mma.sync instead of fp8 wgmma. Without jax-triton it declines and
+# Pallas runs.
 GPU_ORDER = ("triton", "pallas", "xla")
 
 

@@ -16,7 +16,7 @@ from jfusedq.ops.rmsnorm_quant.reference import RmsNormQuantOutput
 
 
 # Measured on the H200 (benchmarks/results/rmsnorm_quant_triton.json): the jax-triton kernel ran
-# 1.07-1.3x the Pallas one at every T and H (0.90-0.92 of copy bandwidth at T = 16384, where
+# 1.05-1.4x the Pallas one at every T and H (0.90-0.92 of copy bandwidth at T = 16384, where
 # Pallas reached 0.83-0.85). Without jax-triton it declines and Pallas runs.
 GPU_ORDER = ("triton", "pallas", "xla")
 
