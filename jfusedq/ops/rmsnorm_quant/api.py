@@ -20,6 +20,7 @@ from jfusedq.ops.rmsnorm_quant.reference import RmsNormQuantOutput
 # Pallas reached 0.83-0.85). Without jax-triton it declines and Pallas runs.
 GPU_ORDER = ("triton", "pallas", "xla")
 
+
 def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None = None,
                   eps: float = 1e-6, weight_offset: float = 0.0, group_size: int = 128,
                   fmt: Fp8Format | str | None = None, layout: str = "row", ue8m0: bool = False,
