@@ -10,7 +10,7 @@ Roofline = those bytes / the device copy bandwidth measured in the same run (a 2
 kernel of that size can reach, fixed launch and tail costs included.
 
 Run: python benchmarks/rmsnorm_quant.py [--impls xla pallas triton] [--ts 1 4096 ...] [--sweep]
-     [--out DIR] [--commit SHA]
+     [--out DIR] [--commit SHA] [--tag T] [--smoke]
 """
 
 from __future__ import annotations
@@ -95,15 +95,17 @@ def main():
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--commit", default="unknown")
   ap.add_argument("--tag", default="", help="results file rmsnorm_quant_<tag>.json")
+  ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on CPU")
   args = ap.parse_args()
+  ts, hs = ((1, 16), (576, 2112)) if args.smoke else (args.ts, (4096, 7168))
 
-  bw = _harness.copy_tbps()
+  bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
   print(f"device {jax.devices()[0].device_kind}; measured copy bandwidth {bw:.2f} TB/s")
   print("bytes = T*H*2*(3 if residual else 1) + H*2 + T*H + T*ceil(H/128)*4"
         " [+ 2*T*H2*2 + H2*2 for the MLA pair]; time = profiler kernel time per call;"
         " chain = wall-clock slope per call inside one jit (launch gaps included)")
-  cases = [dict(T=t, H=h) for h in (4096, 7168) for t in args.ts]
-  cases += [dict(T=t, H=1536, H2=512) for t in args.ts]
+  cases = [dict(T=t, H=h) for h in hs for t in ts]
+  cases += [dict(T=t, H=1536, H2=512) for t in ts]
   rows = []
   print(f"{'case':>32} {'impl':>18} {'us':>8} {'chain':>8} {'kern':>4} {'TB/s':>5} {'roof':>5}"
         f" {'same':>5} {'vs_xla':>6} ok")
