@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/jfusedq run
 
+# The second run: the Triton kernels' cases again, executed by Triton's interpreter on CPU
+# (tests/triton_interpret.py), where the first run can only skip them.
 test: $(STAMP) hf-reference
 	$(PY) -m pytest -n auto -q tests
+	$(PY) -m pytest -n auto -q -p tests.triton_interpret -k triton tests/ops tests/nn
 
 # The same suite on the newest JAX/flax releases, in a separate environment.
 test-latest: hf-reference
@@ -24,6 +27,7 @@ test-latest: hf-reference
 	.venv-latest/bin/python -m pip install -q --upgrade pip
 	.venv-latest/bin/python -m pip install -q --upgrade -e '.[test,plot]' jax jaxlib flax
 	.venv-latest/bin/python -m pytest -n auto -q tests
+	.venv-latest/bin/python -m pytest -n auto -q -p tests.triton_interpret -k triton tests/ops tests/nn
 
 # The Hugging Face reference the DeepSeek-V3 tests compare against: a tiny random
 # DeepseekV3ForCausalLM saved with save_pretrained, its logits, and the same weights in
