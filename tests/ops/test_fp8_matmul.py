@@ -83,7 +83,7 @@ def test_shapes_and_formats(impl, m_shape, n, k, fmt):
 def test_input_kinds_identical(impl):
   """bf16 array, its (fp8, scale) and its (bf16, fp8, scale): identical outputs."""
   x, qw, sw = problem(("kinds",), (9,), 384, 1024)
-  qa = group_quant(x, implementation=impl)
+  qa = group_quant(x, fmt="e4m3fn", implementation=impl)  # as the weight, on any device
   outs = [fp8_matmul(a, qw, sw, implementation=impl)
           for a in (x, qa, QuantizedActivation(qa.q, qa.scale, hp=x))]
   for out in outs[1:]:
@@ -100,8 +100,8 @@ def test_input_kinds_identical(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_column_major_scales(impl):
   x, qw, sw = problem(("col",), (2, 5), 256, 640)
-  row = group_quant(x, implementation="xla")
-  col = group_quant(x, layout="col", implementation="xla")
+  row = group_quant(x, fmt="e4m3fn", implementation="xla")
+  col = group_quant(x, fmt="e4m3fn", layout="col", implementation="xla")
   np.testing.assert_array_equal(np.asarray(fp8_matmul(row, qw, sw, implementation=impl)),
                                 np.asarray(fp8_matmul(col, qw, sw, implementation=impl)))
 
@@ -180,7 +180,7 @@ def test_grouped_quantized_input_and_determinism(impl):
   qw, sw = experts(("grouped_q",), 3, 130, 256)
   x = activations(rng("grouped_q_x"), (3, 1, 256))
   ids = jnp.asarray([2, 2, 0, 1, 1, 0], jnp.int32)
-  col = group_quant(x, layout="col", implementation="xla")
+  col = group_quant(x, fmt="e4m3fn", layout="col", implementation="xla")
   f = jax.jit(lambda a: grouped_fp8_matmul(a, qw, sw, ids, implementation=impl))
   a, b = f(col), f(col)
   assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
