@@ -119,7 +119,8 @@ def write_results(name: str, rows: list[dict], ceilings: dict, commit: str, out_
       "date": datetime.date.today().isoformat(),
       "ceilings": ceilings,
       # Settings that change what was measured (a collective's protocol or algorithm).
-      "env": {k: os.environ[k] for k in ("XLA_FLAGS", "NCCL_PROTO", "NCCL_ALGO") if k in os.environ},
+      "env": {k: os.environ[k] for k in ("XLA_FLAGS", "NCCL_PROTO", "NCCL_ALGO")
+              if k in os.environ},
       "rows": rows,
   }
   os.makedirs(out_dir, exist_ok=True)

@@ -175,7 +175,8 @@ def main():
     ok = {impl: rel_rms(fp8_matmul(qa, qw, sw, implementation=impl), want) <= 2.0**-8
           for impl in ("pallas", *args.extra)}
     flops = 2 * m * n * k
-    nbytes = n * k + (-(-n // 128)) * (-(-k // 128)) * 4 + m * k + m * (-(-k // 128)) * 4 + m * n * 2
+    kb = -(-k // 128)
+    nbytes = n * k + (-(-n // 128)) * kb * 4 + m * k + m * kb * 4 + m * n * 2
     floor = max(flops / (fp8_peak * 1e12), nbytes / (bw * 1e12))
     # The same bytes copied: the ceiling of a kernel this size (launch and tail included).
     same = _harness.copy_seconds(nbytes) if m <= 64 else None

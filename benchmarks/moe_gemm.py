@@ -48,7 +48,8 @@ def make_problem(m, n, k, e, topk, dense, seed):
       kw, kx, ki = jax.random.split(jax.random.fold_in(key, i), 3)
       qw, sw = jax.vmap(lambda w: quantize_weight(w, fmt))(
           jax.random.normal(kw, (e, n, k), jnp.float32))
-      x = jax.random.normal(kx, (1 if dense else m, 1 if not dense else m, k), jnp.bfloat16)
+      # Dense: one group of M rows for every expert; gathered: M groups of one row each.
+      x = jax.random.normal(kx, (1, m, k) if dense else (m, 1, k), jnp.bfloat16)
       # Distinct experts per token, as top-k routing picks them.
       ids = None if dense else jax.vmap(lambda r: jax.random.permutation(r, e)[:topk])(
           jax.random.split(ki, m)).reshape(-1).astype(jnp.int32)

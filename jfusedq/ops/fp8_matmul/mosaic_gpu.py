@@ -14,8 +14,10 @@ Scaling per block keeps the accumulation in f32 (Hopper's fp8 MMA accumulates wi
 precision inside one instruction chain). The epilogue goes registers -> shared -> TMA store.
 
 Shapes: K a multiple of 128, N of 64; M is padded to block_m by the caller's XLA (a copy of the
-activation, small next to the weight at the M this kernel is for). Not measured on a GPU yet:
-opt-in (`implementation="mosaic_gpu"`), outside the default order.
+activation, small next to the weight at the M this kernel is for). Correct on the H200 but
+slower than the Triton kernel there (0.48-0.85x XLA's bf16 dot at M = 4096,
+benchmarks/results/fp8_matmul_deepseek.json): opt-in (`implementation="mosaic_gpu"`), outside
+the default order.
 """
 
 from __future__ import annotations
