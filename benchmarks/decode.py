@@ -1,8 +1,15 @@
 """Model-level decode benchmark: one decode step, fused vs unfused, per preset and batch.
 
 Device time per step from the profiler (harness `measure`: kernel time summed per step, and the
-wall-clock slope with launch gaps); kernels per step counted from the compiled HLO. The step
-reads every weight once, so the floor is weight bytes / copy bandwidth at small batch.
+wall-clock slope with launch gaps); kernels per step counted from the compiled HLO.
+
+Floor = bytes a step must read (`step_bytes`, per device) / copy bandwidth. A step reads every
+weight once, except:
+  embedding table   B rows (unless tied to the LM head, which reads it whole)
+  routed experts    at most min(E, B * top_k) of each MoE layer's E experts (exact at B = 1,
+                    where a token's top_k experts are distinct; an upper bound above)
+The KV cache and activations are left out, so at large batch the floor is low and the fraction
+of it falls.
 
 Run: python benchmarks/decode.py [--presets deepseek-v3-layers ...] [--batches 1 8 32 64]
      [--tp N] [--context 256] [--out DIR] [--commit SHA] [--smoke]
@@ -11,6 +18,7 @@ Run: python benchmarks/decode.py [--presets deepseek-v3-layers ...] [--batches 1
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -23,8 +31,33 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _harness  # noqa: E402
 from jfusedq.hlo import kernel_counts  # noqa: E402
+from jfusedq.nn import StackedLinear  # noqa: E402
 from jfusedq.testing import rel_rms  # noqa: E402
 from models import run as runner  # noqa: E402
+
+
+def _device_bytes(tree) -> int:
+  """Bytes of `tree`'s arrays held by one device (a tensor-parallel shard, or the whole)."""
+  size = lambda x: (math.prod(x.sharding.shard_shape(x.shape))
+                    if getattr(x, "sharding", None) is not None else x.size) * x.dtype.itemsize
+  return sum(size(x) for x in jax.tree.leaves(tree))
+
+
+def step_bytes(model: nnx.Module, batch: int) -> int:
+  """Weight bytes one decode step of `batch` tokens reads on one device (module docstring)."""
+  cfg = model.cfg
+  total = _device_bytes(nnx.state(model))
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, StackedLinear):
+      stacked = _device_bytes(nnx.state(node))
+      total -= stacked - stacked * min(node.weight.shape[0],
+                                       batch * cfg.num_experts_per_tok) // node.weight.shape[0]
+  if not cfg.tie_word_embeddings:
+    for path, node in nnx.iter_graph(model):
+      if path and path[-1] == "embed_tokens":  # an Embedding module or a bare Param
+        table = jax.tree.leaves(nnx.state(node) if isinstance(node, nnx.Module) else node)[0]
+        total -= _device_bytes(table) - _device_bytes(table) * batch // table.shape[0]
+  return total
 
 
 def main():
@@ -48,8 +81,8 @@ def main():
       print(f"{preset}: not a preset here, skipped")
       continue
     built = runner.build(preset, tp=args.tp)
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(built.model)))
     for b in args.batches:
+      weight_bytes = step_bytes(built.model, b)
       times, logits = {}, {}
       for fused in (False, True):
         model = built.model if fused else built.make(False)
