@@ -43,7 +43,7 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
             kernels_per_call (per device); None where no GPU trace is available.
   chain=False skips the slope (None), and so the second compile: for sweeps of Pallas
   kernels, whose every call in the jit is a separate Triton compile.
-  top_kernels: the five kernels taking the most time, {name: us per call}: the profile that
+  top_kernels: the twelve kernels taking the most time, {name: us per call}: the profile that
   explains a time. hlo=True adds the compiled N-call program's text (no extra compile).
   """
   sets = make_inputs(2 * n if chain else n)
@@ -77,7 +77,7 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
       # Only GPUs that ran something: a one-GPU program on a two-GPU host halved its times.
       gpus += busy
   if count:
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:5]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     result.update(kernel_s=total_ns * 1e-9 / n / gpus, kernels_per_call=count / n / gpus,
                   top_kernels={k[:80]: round(v * 1e-3 / n / gpus, 3) for k, v in top})
   return result

@@ -9,9 +9,6 @@ whatever exists, e.g. 8 simulated CPU devices). Each device holds a partial sum 
   generic             psum + the plain jnp composition (XLA)
   sequence_parallel   psum_scatter + fused kernel on T/N rows + all_gather of fp8 + scales
                       (residual token-sharded; T must divide by N, else the row is skipped)
-  fused_cK            fused with `chunks=K` (--chunks K ...): K row pieces, each all-reduced
-                      and normalised on its own, so the epilogue of one piece may overlap the
-                      next piece's all-reduce; + a slice of the input and a concatenation
 
 Bytes, per device, N devices, B = 2 (bf16), g = ceil(H/128), hp = T*H*B with --keep-bf16 else 0:
   link (ring model, bytes each device sends; `tbps` = these / time, NCCL's "bus bandwidth"):
@@ -36,7 +33,7 @@ ar_norm_then_quant quantises the bf16 norm: scales 2**-8, 5% of codes), residual
 generic itself against the single-device XLA op on the psum.
 
 Run: python benchmarks/allreduce_fusion.py [--keep-bf16] [--ts 1 ...] [--hs 4096 ...] [--smoke]
-     [--impls fused ...] [--chunks 2 4] [--out DIR] [--commit SHA] [--tag TAG]
+     [--impls fused ...] [--out DIR] [--commit SHA] [--tag TAG]
 """
 
 from __future__ import annotations
@@ -117,12 +114,11 @@ def op_for(impl, mesh, keep):
                          out_specs=P(), check_vma=False)
     return lambda xs, r, w: body(xs)
   sp = impl == "sequence_parallel"
-  strategy, _, chunks = impl.partition("_c")
 
   def op(xs, r, w):
     quant, res_out = allreduce_rmsnorm_quant_sharded(
         xs, r, w, mesh=mesh, axis_name=AXIS, keep_bf16=keep, sequence_parallel=sp,
-        strategy=None if sp else strategy, **({"chunks": int(chunks)} if chunks else {}))
+        strategy=None if sp else impl)
     return quant.q, quant.scale, quant.hp, res_out
   return op
 
@@ -192,8 +188,6 @@ def main():
   ap.add_argument("--tag", default="", help="results file allreduce_fusion_<tag>.json")
   ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS,
                   help="rows to run (psum and generic always run: the others' yardsticks)")
-  ap.add_argument("--chunks", nargs="+", type=int, default=[],
-                  help="also run fused with chunks=K for each K")
   args = ap.parse_args()
   keep = args.keep_bf16
 
@@ -221,7 +215,7 @@ def main():
     generic = jax.jit(op_for("generic", mesh, keep))
     times = {}
     impls = ["psum", "generic"] + [i for i in args.impls if i not in ("psum", "generic")]
-    for impl in impls + [f"fused_c{k}" for k in args.chunks]:
+    for impl in impls:
       sp = impl == "sequence_parallel"
       if sp and t % n:
         print(f"{str(dict(T=t, H=h)):>24} {impl:>18} skipped: T={t} does not divide by N={n}")

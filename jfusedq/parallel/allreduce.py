@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -257,8 +256,8 @@ def allreduce_rmsnorm_quant(x_partial: jax.Array, residual: jax.Array | None, we
                             fmt: Fp8Format | str | None = None, layout: str = "row",
                             ue8m0: bool = False, keep_bf16: bool = False,
                             strategy: str | Sequence[str] | None = None,
-                            implementation: str | Sequence[str] | None = None,
-                            chunks: int = 1) -> tuple[QuantizedActivation, jax.Array]:
+                            implementation: str | Sequence[str] | None = None
+                            ) -> tuple[QuantizedActivation, jax.Array]:
   """`rmsnorm_quant(psum(x_partial) + residual)`, replicated; call inside `jax.shard_map`.
 
   Equal to `rmsnorm_quant(lax.psum(x_partial, axis_name), weight, residual=residual, ...)`
@@ -278,12 +277,6 @@ def allreduce_rmsnorm_quant(x_partial: jax.Array, residual: jax.Array | None, we
       the call is traced: a function jit has already compiled keeps its choice.
     implementation: passed to the ops of the "fused" and "ar_norm_then_quant" strategies;
       None asks for the platform's best backend without falling back inside the op.
-    chunks: split the rows (all axes but the last, flattened) into this many near-equal
-      pieces, each its own all-reduce + epilogue, so that the scheduler may run the epilogue
-      of one piece while the next piece's all-reduce is in flight. Rows are independent, so
-      the result equals `chunks=1` (a backend may order the norm's sum differently for another
-      row count: an f32 rounding); the pieces cost a slice of the input and a concatenation
-      of the outputs.
   Returns:
     (quant, residual_out): `quant` the QuantizedActivation `[..., H]` (+ `hp`); `residual_out`
     `[..., H]` in x's dtype: `psum + residual` rounded, or the psum itself when `residual` is
@@ -293,53 +286,12 @@ def allreduce_rmsnorm_quant(x_partial: jax.Array, residual: jax.Array | None, we
   _check_shapes(x_partial, residual, weight)
   n = axis_size(axis_name)
   _order(strategy)  # argument errors before any collective is traced
-  if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-    raise ValueError(f"chunks must be a positive int, got {chunks!r}")
-  rows = math.prod(x_partial.shape[:-1])
-  if chunks > 1 and rows >= 2:
-    return _chunked(x_partial, residual, weight, min(chunks, rows), axis_name=axis_name, eps=eps,
-                    weight_offset=weight_offset, group_size=group_size, fmt=fmt, layout=layout,
-                    ue8m0=ue8m0, keep_bf16=keep_bf16, strategy=strategy,
-                    implementation=implementation)
   h = _psum(x_partial, axis_name, n)
   build = lambda name: BUILDERS[name](
       h, residual, weight, eps=eps, weight_offset=weight_offset, group_size=group_size,
       fmt=fmt, layout=layout, ue8m0=ue8m0, keep_bf16=keep_bf16, implementation=implementation)
   _, (quant, res_out) = _resolve("allreduce_rmsnorm_quant", strategy, build)
   return quant, h if res_out is None else res_out
-
-
-def _chunked(x_partial, residual, weight, chunks, *, layout, strategy, **kw):
-  """`allreduce_rmsnorm_quant` over `chunks` row pieces, concatenated (see its `chunks`)."""
-  shape, hdim = x_partial.shape, x_partial.shape[-1]
-  flat = lambda a: None if a is None else a.reshape(-1, hdim)
-  xs, rs = flat(x_partial), flat(residual)
-  bounds = [len(xs) * i // chunks for i in range(chunks + 1)]
-  piece = lambda a, lo, hi: None if a is None else a[lo:hi]
-  # One resolution for all pieces (they differ at most by a row): every piece then runs the
-  # same strategy, named explicitly.
-  first = jax.ShapeDtypeStruct((bounds[1], hdim), xs.dtype)
-  name = chosen_strategy(first, weight, residual=None if rs is None else first, layout="row",
-                         strategy=strategy, **{k: kw[k] for k in _CHOICE_KW})
-  # Row-major scales concatenate along the rows; the column layout is their transpose.
-  pieces = [allreduce_rmsnorm_quant(xs[lo:hi], piece(rs, lo, hi), weight, layout="row",
-                                    strategy=name, **kw)
-            for lo, hi in zip(bounds[:-1], bounds[1:])]
-  cat = lambda get: (None if get(pieces[0]) is None
-                     else jnp.concatenate([get(p) for p in pieces], axis=0))
-  scale = cat(lambda p: p[0].scale)
-  scale = scale.reshape(*shape[:-1], -1)
-  if layout == "col":
-    scale = jnp.moveaxis(scale, -1, 0)
-  hp = cat(lambda p: p[0].hp)
-  quant = QuantizedActivation(cat(lambda p: p[0].q).reshape(shape), scale,
-                              None if hp is None else hp.reshape(shape),
-                              group_size=kw["group_size"], layout=layout)
-  return quant, cat(lambda p: p[1]).reshape(shape)
-
-
-_CHOICE_KW = ("eps", "weight_offset", "group_size", "fmt", "ue8m0", "keep_bf16",
-              "implementation")
 
 
 def reduce_scatter_rmsnorm_quant(x_partial: jax.Array, residual: jax.Array | None,

@@ -156,46 +156,6 @@ def test_options(option):
     assert_matches(outs["ar_norm_then_quant"], want, "ar_norm_then_quant")
 
 
-CHUNK_CASES = {
-    # 7 rows in 3 pieces (2, 2, 3): uneven; column scales; the GDN bf16 copy.
-    "t7_col_bf16": (dict(shape=(7, 576)), dict(layout="col", keep_bf16=True)),
-    # Leading dims flattened to 6 rows; no residual (residual_out is the psum).
-    "lead_nores": (dict(shape=(2, 3, 2112), residual=False), {}),
-    "t5_ar_norm_fnuz": (dict(shape=(5, 576)), dict(strategy="ar_norm_then_quant",
-                                                   fmt=FORMATS["e4m3fnuz"], ue8m0=True)),
-}
-
-
-@pytest.mark.parametrize("chunks", [2, 3, 64])
-@pytest.mark.parametrize("case", CHUNK_CASES)
-def test_chunks_bit_identical(case, chunks):
-  """Rows are independent, so the pieces reproduce chunks=1 (64 > rows: one row per piece).
-  Not always bit for bit: XLA may order the norm's sum differently for another row count,
-  which moves a scale by an f32 rounding, so the quantised parts get the suite's closeness
-  check; the residual (one bf16 add, no reduction) must be bit-equal."""
-  shape, opt = CHUNK_CASES[case]
-  xs, res, w = inputs(("chunks", case), 2, shape["shape"], shape.get("residual", True))
-
-  def body(x, r, w):
-    return [allreduce_rmsnorm_quant(x, r, w, axis_name=AXIS, chunks=c, **opt)
-            for c in (1, chunks)]
-
-  one, split = sharded(2, body, xs, res, w)
-  assert_replicated(split)
-  assert one[0].layout == split[0].layout and one[0].q.shape == shape["shape"]
-  for u, v in zip(jax.tree.leaves(one), jax.tree.leaves(split), strict=True):
-    assert u.shape == v.shape and u.dtype == v.dtype
-  assert_matches(split, one, "fused")
-
-
-def test_chunks_errors():
-  xs, res, w = inputs(("chunks_err",), 2, (4, 576))
-  for bad in (0, -1, 2.0, True):
-    with pytest.raises(ValueError, match="chunks must be a positive int"):
-      sharded(2, lambda x, r, w: allreduce_rmsnorm_quant(x, r, w, axis_name=AXIS, chunks=bad),
-              xs, res, w)
-
-
 def test_default_chain_and_log(caplog):
   xs, res, w = inputs(("default",), 4, (3, 576))
   assert chosen_strategy(res, w, residual=res) == "fused"

@@ -33,10 +33,10 @@ GROUP_M = 8  # row blocks per L2 group
 
 
 @_triton.jit
-def _kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.constexpr, K: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_SPLIT: tl.constexpr,
-            A_COL: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr, A_DIV: tl.constexpr,
-            BATCH: tl.constexpr):
+def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.constexpr,
+                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PER_SPLIT: tl.constexpr, A_COL: tl.constexpr, GROUP_M: tl.constexpr,
+                      SWAP: tl.constexpr, A_DIV: tl.constexpr, BATCH: tl.constexpr):
   BK: tl.constexpr = 128
   KB: tl.constexpr = (K + BK - 1) // BK
   NB: tl.constexpr = (N + BK - 1) // BK
@@ -137,7 +137,7 @@ def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Arra
   out_shape = (jax.ShapeDtypeStruct((b, m, n), out_dtype) if splits == 1
                else jax.ShapeDtypeStruct((splits, b, m, n), jnp.float32))
   out = _triton.call(
-      _kernel, qa, sa, qw, sw, ids, m, out_shape=out_shape,
+      fp8_matmul_kernel, qa, sa, qw, sw, ids, m, out_shape=out_shape,
       grid=(-(-m // bm) * -(-n // bn), splits, b), name="fp8_matmul",
       num_warps=config.num_warps, num_stages=config.num_stages, N=n, K=k, BLOCK_M=bm,
       BLOCK_N=bn, PER_SPLIT=-(-kb // splits), A_COL=a_layout == "col", GROUP_M=GROUP_M,

@@ -122,10 +122,10 @@ def store_quant(y, r, rows, offs, mask, q_ptr, s_ptr, K: tl.constexpr, G: tl.con
 
 
 @_triton.jit
-def _kernel(x_ptr, rows, q_ptr, s_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr,
-            BLOCK_ROWS: tl.constexpr, G: tl.constexpr, FP8_MAX: tl.constexpr,
-            INV_MAX: tl.constexpr, UE8M0: tl.constexpr, COL: tl.constexpr,
-            FNUZ_BITS: tl.constexpr):
+def group_quant_kernel(x_ptr, rows, q_ptr, s_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_ROWS: tl.constexpr, G: tl.constexpr, FP8_MAX: tl.constexpr,
+                       INV_MAX: tl.constexpr, UE8M0: tl.constexpr, COL: tl.constexpr,
+                       FNUZ_BITS: tl.constexpr):
   r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
   c = tl.arange(0, BLOCK_K)
   mask = (r < rows)[:, None] & (c < K)[None, :]
@@ -145,7 +145,7 @@ def group_quant(x: jax.Array, fmt: Fp8Format, *, group_size: int, layout: str, u
   config = config or heuristics(rows, width)
   bt = config.block_rows
   q, scale = _triton.call(
-      _kernel, x, rows,
+      group_quant_kernel, x, rows,
       out_shape=quant_out_shapes(rows, k, fmt, group_size, layout, target),
       grid=(-(-rows // bt),), name="group_quant", num_warps=config.num_warps, num_stages=1,
       K=k, BLOCK_K=width, BLOCK_ROWS=bt, **quant_params(fmt, group_size, layout, ue8m0, target))

@@ -28,13 +28,13 @@ def _normalise(h, w_ptr, c, K: tl.constexpr, EPS: tl.constexpr, OFFSET: tl.const
 
 
 @_triton.jit
-def _kernel(x_ptr, res_ptr, w_ptr, x2_ptr, w2_ptr, rows, q_ptr, s_ptr, res_out_ptr, hp_ptr,
-            y2_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr, K2: tl.constexpr,
-            BLOCK_K2: tl.constexpr, BLOCK_ROWS: tl.constexpr, EPS: tl.constexpr,
-            EPS2: tl.constexpr, OFFSET: tl.constexpr, HAS_RES: tl.constexpr,
-            KEEP_HP: tl.constexpr, HAS_X2: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr,
-            FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr, UE8M0: tl.constexpr,
-            COL: tl.constexpr, FNUZ_BITS: tl.constexpr):
+def rmsnorm_quant_kernel(x_ptr, res_ptr, w_ptr, x2_ptr, w2_ptr, rows, q_ptr, s_ptr, res_out_ptr,
+                         hp_ptr, y2_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr, K2: tl.constexpr,
+                         BLOCK_K2: tl.constexpr, BLOCK_ROWS: tl.constexpr, EPS: tl.constexpr,
+                         EPS2: tl.constexpr, OFFSET: tl.constexpr, HAS_RES: tl.constexpr,
+                         KEEP_HP: tl.constexpr, HAS_X2: tl.constexpr, QUANT: tl.constexpr,
+                         G: tl.constexpr, FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr,
+                         UE8M0: tl.constexpr, COL: tl.constexpr, FNUZ_BITS: tl.constexpr):
   r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
   row_ok = r < rows
   c = tl.arange(0, BLOCK_K)
@@ -90,7 +90,7 @@ def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format | N
             else dict(G=group_size, FP8_MAX=1.0, INV_MAX=1.0, UE8M0=False, COL=False,
                  FNUZ_BITS=False))
   q, scale, res_out, hp, norm2 = _triton.call(
-      _kernel, x, residual if has_res else x, weight, x2 if has_x2 else x,
+      rmsnorm_quant_kernel, x, residual if has_res else x, weight, x2 if has_x2 else x,
       weight2 if has_x2 else weight, rows, out_shape=out_shape, grid=(-(-rows // bt),),
       name="rmsnorm_quant", num_warps=config.num_warps, num_stages=1, K=k, BLOCK_K=width,
       K2=k2, BLOCK_K2=width2, BLOCK_ROWS=bt, EPS=eps, EPS2=eps2 if has_x2 else eps,
