@@ -113,13 +113,19 @@ def plot(args) -> int:
   for j, impl in enumerate(impls):
     by_case = {json.dumps(r["case"], sort_keys=True): r for r in doc["rows"] if r["impl"] == impl}
     xs = [i for i, c in enumerate(cases) if c in by_case]
-    ax.bar([x + j * width for x in xs], [by_case[cases[x]]["time_us"] for x in xs], width,
-           label=impl)
+    bars = ax.bar([x + j * width for x in xs], [by_case[cases[x]]["time_us"] for x in xs],
+                  width, label=impl)
+    # A row whose correctness check failed is drawn hatched: a time, never a speed-up.
+    for bar, x in zip(bars, xs):
+      if by_case[cases[x]].get("correct") is False:
+        bar.set_hatch("xx")
+        bar.set_edgecolor("black")
   ax.set_yscale("log")
-  ax.set_ylabel("time per call (us)")
-  labels = [",".join(f"{k}={v}" for k, v in json.loads(c).items() if k in ("T", "H", "H2", "M",
-                                                                           "N", "K"))
-            for c in cases]
+  ax.set_ylabel("time per call (us); hatched: check failed")
+  # Every case key that varies across the file names the bar group.
+  varying = [k for k in json.loads(cases[0])
+             if len({json.dumps(json.loads(c).get(k)) for c in cases}) > 1] if cases else []
+  labels = [",".join(f"{k}={json.loads(c).get(k)}" for k in varying) for c in cases]
   ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], labels, rotation=70,
                 fontsize=7)
   ax.set_title(f"{doc['benchmark']} on {doc['device']} (jax {doc['jax']}, {doc['date']})")

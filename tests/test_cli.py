@@ -66,6 +66,26 @@ def test_plot(tmp_path):
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_marks_failed_rows_and_names_cases(tmp_path):
+  """A failed check is drawn hatched; the keys that vary between cases label the groups."""
+  import json
+
+  import matplotlib.pyplot as plt
+  runs = [("a", 1, "unfused", 10.0, True), ("a", 1, "fused", 9.0, True),
+          ("b", 8, "unfused", 20.0, True), ("b", 8, "fused", 18.0, False)]
+  rows = [dict(case=dict(preset=p, batch=b, tp=1), impl=impl, time_us=t, correct=ok)
+          for p, b, impl, t, ok in runs]
+  results = tmp_path / "decode.json"
+  results.write_text(json.dumps(dict(benchmark="decode", device="X", jax="0", date="d",
+                                     rows=rows)))
+  assert main(["plot", str(results), "--out", str(tmp_path / "d.png")]) == 0
+  ax = plt.gcf().axes[0]
+  hatched = [round(b.get_height(), 3) for b in ax.patches if b.get_hatch()]
+  assert hatched == [18.0]
+  assert [t.get_text() for t in ax.get_xticklabels()] == ["batch=1,preset=a", "batch=8,preset=b"]
+  plt.close("all")
+
+
 def test_demo(capsys):
   assert main(["demo", "--tokens", "4", "--hidden", "576", "--reps", "2"]) == 0
   assert "pallas vs xla: agree" in capsys.readouterr().out
