@@ -27,6 +27,9 @@ MLA (q_lora_rank set, as in DeepSeek-V3):
                                         one head shared by all)
   o = softmax(q k^T * scale + causal) v, scale = Dqk^-0.5 * yarn_mscale(factor, mscale_all_dim)^2
   out = o_proj(o)                                           [B, T, H]
+With a cache (prefill and decode) the layer keeps MLA's latent, kv and k_pe (`KVCache`), and
+attends with kv_b_proj absorbed into q and o (`DeepseekV3Attention._absorbed`); without one
+it runs the per-head formula above, as Hugging Face does.
 
 MoE: s = sigmoid(hp W_gate^T) [T, E] (f32); groups scored by the sum of their top-2 of
 s + e_score_correction_bias; experts chosen (top_k) from the best topk_group of n_group groups;
@@ -63,6 +66,9 @@ from jfusedq.checkpoint import (Checkpoint, CheckpointError, QuantConfig, Tensor
 from jfusedq.fp8 import Fp8Format, QuantizedActivation
 from jfusedq.nn import Fp8Linear, Linear, StackedLinear
 from jfusedq.nn.norm import RMSNorm
+from jfusedq.ops.fp8_matmul import activation_format
+from jfusedq.ops.fp8_matmul.reference import dequantize_weight
+from jfusedq.ops.group_quant import group_quant
 from jfusedq.ops.rmsnorm_quant import rmsnorm_quant
 from jfusedq.parallel import allreduce_rmsnorm_quant
 
@@ -282,11 +288,18 @@ def is_fp8(layer) -> bool:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  """One layer's per-head cache: k `[B, S, NH, Dqk]` (rope part de-interleaved) and v
-  `[B, S, NH, Dv]`; slot s holds position s."""
+  """One layer's MLA latent cache; slot s holds position s.
 
-  k: jax.Array
-  v: jax.Array
+  kv `[B, S, Lkv]` the normalised latent exactly as kv_b_proj consumes it: with an FP8
+  kv_b_proj its 1 x 128 fp8 codes, and kv_scale `[B, S, ceil(Lkv/128)]` f32 their scales (None
+  for a bf16 / f32 kv_b_proj); k_pe `[B, S, R]` the rotated rope key (rope part de-interleaved),
+  one head shared by all. Lkv + R values a token (576 in DeepSeek-V3) where a per-head cache
+  holds NH (Dqk + Dv) (40960): the heads' keys and values are never materialised.
+  """
+
+  kv: jax.Array
+  kv_scale: jax.Array | None
+  k_pe: jax.Array
 
 
 class Embedding(nnx.Module):
@@ -487,27 +500,63 @@ class DeepseekV3Attention(nnx.Module):
     q_a, kv_a, k_pe = qkv[..., :lq], qkv[..., lq:lq + lkv], qkv[..., lq + lkv:]
     q_in, kv = self.norm_q_kv(q_a, kv_a, fused)
     q = self.q_b_proj(q_in).reshape(b, t, -1, cfg.qk_head_dim)  # [B, T, NH, Dqk]
-    kvb = self.kv_b_proj(kv).reshape(b, t, -1, dn + cfg.v_head_dim)  # [B, T, NH, Dn + Dv]
-    k_nope, v = kvb[..., :dn], kvb[..., dn:]
     cs, sn = cos[:, :, None], sin[:, :, None]
     q = jnp.concatenate([q[..., :dn], apply_rope(q[..., dn:], cs, sn, cfg.rope_interleave)], -1)
     k_pe = apply_rope(k_pe[:, :, None], cs, sn, cfg.rope_interleave)  # one head, shared
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe, (*k_nope.shape[:-1], k_pe.shape[-1]))],
-                        -1)
     qpos = pos + jnp.arange(t)
     if cache is not None:
-      at = (0, pos, 0, 0)
-      cache = KVCache(lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), at),
-                      lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), at))
-      k, v, kpos = cache.k, cache.v, jnp.arange(cache.k.shape[1])
-    else:
-      kpos = qpos
+      return self._absorbed(q, kv, k_pe[:, :, 0], qpos, cache, pos)
+    # No cache (a whole sequence at once): per-head keys and values, Hugging Face's formula.
+    kvb = self.kv_b_proj(kv).reshape(b, t, -1, dn + cfg.v_head_dim)  # [B, T, NH, Dn + Dv]
+    k_nope, v = kvb[..., :dn], kvb[..., dn:]
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe, (*k_nope.shape[:-1], k_pe.shape[-1]))],
+                        -1)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k.astype(q.dtype),
                         preferred_element_type=jnp.float32) * self.scale
-    # Causal: slot j is visible to query i iff j <= pos + i; unwritten slots lie beyond.
-    scores = jnp.where(kpos[None, :] <= qpos[:, None], scores, -jnp.inf)
+    scores = jnp.where(qpos[None, :] <= qpos[:, None], scores, -jnp.inf)  # causal
     p = jax.nn.softmax(scores, axis=-1)
     o = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return self.o_proj(o.reshape(b, t, -1).astype(self.dtype)), cache
+
+  def _absorbed(self, q, kv, k_pe, qpos, cache: KVCache, pos):
+    """Attention over the latent cache, kv_b_proj folded into the query and the output
+    (DeepSeek-V2's absorption): with W = kv_b_proj's weight `[NH, Dn + Dv, Lkv]` split into
+    W_uk `[NH, Dn, Lkv]` and W_uv `[NH, Dv, Lkv]`,
+      q_nope . k_nope = (q_nope W_uk) . kv        o = (softmax(...) kv) W_uv^T
+    so a step reads Lkv + R values per cached token instead of NH (Dqk + Dv). kv enters as
+    kv_b_proj would see it (its fp8 codes and scales when kv_b_proj is FP8), so this equals the
+    per-head formula up to where the roundings fall.
+    q `[B, T, NH, Dqk]` (rope part rotated), kv `[B, T, Lkv]`, k_pe `[B, T, R]`."""
+    cfg = self.cfg
+    b, t, nh, _ = q.shape
+    dn, lkv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    if is_fp8(self.kv_b_proj):
+      kq = group_quant(kv, group_size=128, fmt=activation_format(self.kv_b_proj.weight.dtype),
+                       implementation=self.implementation)
+      new = (kq.q, kq.row_scale())
+      w = dequantize_weight(self.kv_b_proj.weight[...], self.kv_b_proj.weight_scale_inv[...])
+    else:
+      new = (kv.astype(cache.kv.dtype), None)
+      w = self.kv_b_proj.weight[...].astype(jnp.float32)
+    at = (0, pos, 0)
+    put = lambda c, x: None if c is None else lax.dynamic_update_slice(c, x.astype(c.dtype), at)
+    cache = KVCache(put(cache.kv, new[0]), put(cache.kv_scale, new[1]), put(cache.k_pe, k_pe))
+    # In f32 throughout: these einsums are small beside the projections (Lkv = 512 wide, one
+    # query token at decode), the dequantised weight stays exact, and XLA:CPU has no batched
+    # bf16 x bf16 -> f32 dot to fall back on.
+    f32 = lambda a: a.astype(jnp.float32)
+    lat = f32(cache.kv)  # [B, S, Lkv]
+    if cache.kv_scale is not None:
+      lat = lat * jnp.repeat(cache.kv_scale, 128, axis=-1)[..., :lkv]
+    w = w.reshape(nh, -1, lkv)  # this device's heads
+    q_lat = jnp.einsum("bthd,hdc->bthc", f32(q[..., :dn]), w[:, :dn])
+    scores = (jnp.einsum("bthc,bsc->bhts", q_lat, lat)
+              + jnp.einsum("bthr,bsr->bhts", f32(q[..., dn:]), f32(cache.k_pe))) * self.scale
+    # Causal: slot j is visible to query i iff j <= pos + i; unwritten slots lie beyond.
+    kpos = jnp.arange(cache.kv.shape[1])
+    scores = jnp.where(kpos[None, :] <= qpos[:, None], scores, -jnp.inf)
+    p = jax.nn.softmax(scores, axis=-1)
+    o = jnp.einsum("bthc,hdc->bthd", jnp.einsum("bhts,bsc->bthc", p, lat), w[:, dn:])
     return self.o_proj(o.reshape(b, t, -1).astype(self.dtype)), cache
 
 
@@ -603,12 +652,20 @@ class DeepseekV3ForCausalLM(nnx.Module):
       layer.fused = bool(f)
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> tuple[KVCache, ...]:
-    """Zeroed per-layer caches for `max_len` positions (all heads; shard_forward splits them)."""
+    """Zeroed per-layer latent caches for `max_len` positions (`KVCache`; the same on every
+    tensor-parallel device). dtype: of kv (unquantised kv_b_proj) and k_pe."""
     cfg, dtype = self.cfg, dtype or self.dtype
-    nh = cfg.num_attention_heads
-    return tuple(KVCache(jnp.zeros((batch, max_len, nh, cfg.qk_head_dim), dtype),
-                         jnp.zeros((batch, max_len, nh, cfg.v_head_dim), dtype))
-                 for _ in range(cfg.num_hidden_layers))
+    caches = []
+    for layer in self.model.layers:
+      proj = layer.self_attn.kv_b_proj
+      shape = (batch, max_len, cfg.kv_lora_rank)
+      if is_fp8(proj):
+        kv = jnp.zeros(shape, proj.weight.dtype)
+        scale = jnp.zeros((batch, max_len, -(-cfg.kv_lora_rank // 128)), jnp.float32)
+      else:
+        kv, scale = jnp.zeros(shape, dtype), None
+      caches.append(KVCache(kv, scale, jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dtype)))
+    return tuple(caches)
 
   def __call__(self, tokens: jax.Array, *, cache: Sequence[KVCache] | None = None,
                pos: jax.Array | int = 0, axis_name: str | None = None) -> CausalLMOutput:
@@ -698,7 +755,7 @@ def shard_forward(model: DeepseekV3ForCausalLM, mesh: jax.sharding.Mesh, axis: s
   """`forward(tokens, cache=None, pos=0) -> (logits, cache)` running `model` tensor-parallel.
 
   The body runs under `jax.shard_map` over `axis` of `mesh`; parameters are split per
-  `tp_spec` (heads and intermediate dims), caches over heads, tokens and logits replicated.
+  `tp_spec` (heads and intermediate dims), the latent caches, tokens and logits replicated.
   Wrap it in `jax.jit`. Raises if a split dimension does not divide, or would cut an FP8
   128 x 128 weight block. With `explicit_params` (and `with_cache`), returns
   `(forward(params, tokens, cache, pos), params)` instead: a jit of it then takes the weights
@@ -716,8 +773,9 @@ def shard_forward(model: DeepseekV3ForCausalLM, mesh: jax.sharding.Mesh, axis: s
   # Placed once, so each device holds only its shard from here on.
   leaves = [jax.device_put(leaf, NamedSharding(mesh, spec))
             for (_, leaf), spec in zip(flat, specs)]
-  head_spec = P(None, None, axis, None)
-  cache_specs = tuple(KVCache(head_spec, head_spec) for _ in model.model.layers)
+  # The latent cache has no head axis: every device holds (and writes) the same one.
+  cache_specs = tuple(KVCache(P(), P() if is_fp8(layer.self_attn.kv_b_proj) else None, P())
+                      for layer in model.model.layers)
 
   def body(leaves, tokens, cache, pos):
     m = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
@@ -731,7 +789,7 @@ def shard_forward(model: DeepseekV3ForCausalLM, mesh: jax.sharding.Mesh, axis: s
     def pure(params, tokens, cache, pos=0):
       explicit = jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
       if explicit:  # shard_map wants inputs already split as in_specs say on Explicit axes
-        cache = jax.tree.map(lambda c: jax.reshard(c, NamedSharding(mesh, head_spec)), cache)
+        cache = jax.tree.map(lambda c: jax.reshard(c, NamedSharding(mesh, P())), cache)
       return fn(params, tokens, cache, jnp.asarray(pos, jnp.int32))
 
     if explicit_params:

@@ -179,12 +179,13 @@ def _quantized(a, weight, k, implementation) -> QuantizedActivation:
     if implementation is not None:
       implementation = tuple(dict.fromkeys({"mosaic_gpu": "pallas"}.get(i, i)
                                            for i in implementation))
-    a = group_quant(a, group_size=BLOCK, fmt=_format_of(weight.dtype),
+    a = group_quant(a, group_size=BLOCK, fmt=activation_format(weight.dtype),
                     implementation=implementation)
   if a.q.shape[-1] != k:
     raise ValueError(f"activation K = {a.q.shape[-1]} does not match the weight's K = {k}")
   return a
 
 
-def _format_of(dtype) -> Fp8Format:
+def activation_format(dtype) -> Fp8Format:
+  """The format a bf16 activation is quantised to against an fp8 weight of `dtype`."""
   return Fp8Format.e4m3fn() if jnp.dtype(dtype) == E4M3FN else Fp8Format.e4m3fnuz()
