@@ -3,13 +3,16 @@
 Device time per step from the profiler (harness `measure`: kernel time summed per step, and the
 wall-clock slope with launch gaps); kernels per step counted from the compiled HLO.
 
-Floor = bytes a step must read (`step_bytes`, per device) / copy bandwidth. A step reads every
-weight once, except:
+Floor = bytes a step must read, per device, / copy bandwidth. A step reads every weight once
+(`step_bytes`), except:
   embedding table   B rows (unless tied to the LM head, which reads it whole)
   routed experts    at most min(E, B * top_k) of each MoE layer's E experts (exact at B = 1,
                     where a token's top_k experts are distinct; an upper bound above)
-The KV cache and activations are left out, so at large batch the floor is low and the fraction
-of it falls.
+plus the cache the step attends over (`cache_bytes`: every allocated slot, as the masked
+attention reads them; per device, as the step returns it; the recurrent state of Qwen3.5's
+linear-attention layers counts once although it is also rewritten). Activations are left out.
+With --tp > 1 no floor is given (`roofline_frac` null): the weights' per-device split is the
+model's own (heads, intermediate dims; embeddings and norms replicated), not counted here.
 
 Run: python benchmarks/decode.py [--presets deepseek-v3-layers ...] [--batches 1 8 32 64]
      [--tp N] [--context 256] [--wall] [--out DIR] [--commit SHA] [--smoke]
@@ -87,7 +90,7 @@ def main():
     built = runner.build(preset, tp=args.tp)
     for b in args.batches:
       weight_bytes = step_bytes(built.model, b)
-      times, logits = {}, {}
+      times, logits, cache_bytes = {}, {}, None
       for fused in (False, True):
         model = built.model if fused else built.make(False)
         forward, params = runner.forward_fn(built, model, args.tp)
@@ -103,7 +106,10 @@ def main():
 
         step = lambda params, cache, tok, forward=forward: forward(
             params, tok, cache, jnp.int32(args.context))[0]
-        logits[fused] = step(*make(1)[0])
+        params0, cache0, tok0 = make(1)[0]
+        logits[fused], new_cache = forward(params0, tok0, cache0, jnp.int32(args.context))
+        cache_bytes = _device_bytes(new_cache)
+        read = weight_bytes + cache_bytes if args.tp == 1 else None
         # One step per timed jit, one compile (the counts read the same program): a step is a
         # whole model, and its compile dominates the run.
         m = _harness.measure(step, make, 1, chain=args.smoke or args.wall, hlo=True)
@@ -118,15 +124,17 @@ def main():
         finite = bool(jnp.all(jnp.isfinite(logits[fused])))
         rows.append(dict(case=dict(preset=preset, batch=b, tp=args.tp, context=args.context),
                          impl=path, time_us=round(sec * 1e6, 2),
-                         tbps=round(weight_bytes / sec / 1e12, 3), tflops=None,
-                         roofline_frac=round(weight_bytes / (bw * 1e12) / sec, 3),
+                         tbps=read and round(read / sec / 1e12, 3), tflops=None,
+                         roofline_frac=read and round(read / (bw * 1e12) / sec, 3),
                          vs_xla=round(times[False] / sec, 4), correct=finite and diff < 0.25,
                          logits_rel_rms_vs_unfused=round(diff, 5), weight_bytes=weight_bytes,
+                         cache_bytes=cache_bytes,
                          chain_us=m["chain_s"] and round(m["chain_s"] * 1e6, 2),
                          kernel_us=m["kernel_s"] and round(m["kernel_s"] * 1e6, 2), kernels=counts,
                          top_kernels=m.get("top_kernels")))
         print(f"{preset:>20} {b:>3} {path:>8} {sec * 1e6:9.1f} {(m['chain_s'] or 0) * 1e6:9.1f} "
-              f"{counts['total']:7d} {times[False] / sec:10.3f} {rows[-1]['roofline_frac']:5.2f} "
+              f"{counts['total']:7d} {times[False] / sec:10.3f} "
+              f"{'-' if read is None else format(rows[-1]['roofline_frac'], '5.2f'):>5} "
               f"{'yes' if rows[-1]['correct'] else 'NO'}", flush=True)
       _harness.write_results("decode", rows, {"copy_tbps": round(bw, 3)}, args.commit, args.out)
 
