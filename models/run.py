@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +42,10 @@ class Built:
 
 
 def build(preset: str | None = None, checkpoint: str | None = None, *, quantize: bool = True,
-          fused: bool = True, tp: int = 1, dtype=jnp.bfloat16, seed: int = 0) -> Built:
-  """A model from a preset (random weights from `seed`) or a Hugging Face checkpoint."""
+          fused: bool = True, tp: int = 1, dtype=jnp.bfloat16, seed: int = 0,
+          implementation: str | Sequence[str] | None = None) -> Built:
+  """A model from a preset (random weights from `seed`) or a Hugging Face checkpoint;
+  `implementation` is passed to every op the model runs (None: each op's best)."""
   if checkpoint:
     with open(os.path.join(checkpoint, "config.json")) as f:
       mtype = json.load(f).get("model_type", "")
@@ -59,18 +61,19 @@ def build(preset: str | None = None, checkpoint: str | None = None, *, quantize:
   tp_kw = {"tp_axis": "tp"} if name == "qwen3_5" and tp > 1 else {}
 
   def make(fused: bool) -> nnx.Module:
+    impl = {"implementation": implementation}
     if checkpoint and name == "deepseek_v3":
       return module.from_pretrained(checkpoint, quantize=quantize or None, fused=fused,
-                                    dtype=dtype)
+                                    dtype=dtype, **impl)
     if checkpoint:
       return module.from_pretrained(checkpoint, fp8=quantize, fused=fused, dtype=dtype,
-                                    **tp_kw)
+                                    **tp_kw, **impl)
     quant = QuantConfig(default_format()) if quantize else None
     if name == "deepseek_v3":
       return module.DeepseekV3ForCausalLM(module.DeepseekV3Config.from_hf(hf), quant=quant,
-                                          fused=fused, dtype=dtype, rngs=nnx.Rngs(seed))
+                                          fused=fused, dtype=dtype, rngs=nnx.Rngs(seed), **impl)
     return module.Qwen35ForCausalLM(module.Qwen35Config.from_hf(hf), quant=quant, fused=fused,
-                                    dtype=dtype, rngs=nnx.Rngs(seed), **tp_kw)
+                                    dtype=dtype, rngs=nnx.Rngs(seed), **tp_kw, **impl)
 
   model = make(fused)
   cfg = model.cfg
