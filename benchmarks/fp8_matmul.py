@@ -183,10 +183,11 @@ def main():
     configs = {impl: str(h(m, n, k)) for impl, h in HEURISTICS.items()}
     # Few calls per jit: each Pallas call in it is compiled separately (seconds per case).
     n_calls = 4
-    base = None
+    base, secs = None, []
     for impl, op in impls.items():
       t = _harness.measure(op, make, n_calls)
       sec = t["kernel_s"] or t["chain_s"]
+      secs.append(sec)
       if impl == "xla_bf16":
         base = sec
       rows.append(dict(case=dict(M=m, N=n, K=k), impl=impl, time_us=round(sec * 1e6, 3),
@@ -197,8 +198,9 @@ def main():
                        config=configs.get(impl.split("+")[0]),
                        chain_us=round(t["chain_s"] * 1e6, 3) if t["chain_s"] else None,
                        kernels_per_call=t["kernels_per_call"]))
-    for row in rows[-len(impls):]:
-      row["vs_xla"] = round(base / (row["time_us"] * 1e-6), 3)
+    # From the unrounded times: on a loaded CPU (--smoke) a slope can round to 0 us.
+    for row, sec in zip(rows[-len(impls):], secs, strict=True):
+      row["vs_xla"] = round(base / sec, 3)
       print(f"{m:>5} {n:>6} {k:>6} {row['impl']:>13} {row['time_us']:9.2f} {row['tflops']:8.1f} "
             f"{row['tbps']:6.2f} {row['roofline_frac']:5.2f} {row['vs_xla']:7.2f} "
             f"{row['config'] or ''} {'' if row['correct'] else 'CHECK FAILED'}", flush=True)

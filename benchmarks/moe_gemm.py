@@ -102,20 +102,22 @@ def main():
     nbytes = (unique * (n * k + nb * kb * 4) + qa.q.size + qa.scale.size * 4
               + b * rows_per * n * 2)
     want = IMPLS["xla"](qa, qw, sw, ids)
-    base = None
+    base, secs = None, []
     case = dict(M=m, N=n, K=k, E=e, topk=topk, mode="dense" if dense else "gathered")
     for impl, op in impls.items():
       ok = rel_rms(op(qa, qw, sw, ids), want) <= 2.0**-8
       t = _harness.measure(op, make, 4)
       sec = t["kernel_s"] or t["chain_s"]
+      secs.append(sec)
       base = sec if impl == "xla" else base
       rows.append(dict(case=case, impl=impl, time_us=round(sec * 1e6, 3),
                        tbps=round(unique * n * k / sec / 1e12, 3), tflops=None,
                        roofline_frac=round(nbytes / (bw * 1e12) / sec, 3), vs_xla=None,
                        correct=bool(ok), kernels_per_call=t["kernels_per_call"],
                        top_kernels=t.get("top_kernels")))
-    for row in rows[-len(impls):]:
-      row["vs_xla"] = round(base / (row["time_us"] * 1e-6), 3)
+    # From the unrounded times: on a loaded CPU (--smoke) a slope can round to 0 us.
+    for row, sec in zip(rows[-len(impls):], secs, strict=True):
+      row["vs_xla"] = round(base / sec, 3)
       print(f"{str(case):>34} {row['impl']:>8} {row['time_us']:9.2f} {row['tbps']:6.2f} "
             f"{row['roofline_frac']:5.2f} {row['vs_xla']:6.2f} "
             f"{'yes' if row['correct'] else 'CHECK FAILED'}", flush=True)
