@@ -545,9 +545,8 @@ class DeepseekV3Attention(nnx.Module):
     # query token at decode), the dequantised weight stays exact, and XLA:CPU has no batched
     # bf16 x bf16 -> f32 dot to fall back on.
     f32 = lambda a: a.astype(jnp.float32)
-    lat = f32(cache.kv)  # [B, S, Lkv]
-    if cache.kv_scale is not None:
-      lat = lat * jnp.repeat(cache.kv_scale, 128, axis=-1)[..., :lkv]
+    lat = (f32(cache.kv) if cache.kv_scale is None  # [B, S, Lkv]
+           else QuantizedActivation(cache.kv, cache.kv_scale).dequantize())
     w = w.reshape(nh, -1, lkv)  # this device's heads
     q_lat = jnp.einsum("bthd,hdc->bthc", f32(q[..., :dn]), w[:, :dn])
     scores = (jnp.einsum("bthc,bsc->bhts", q_lat, lat)
