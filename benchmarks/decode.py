@@ -65,16 +65,15 @@ def step_bytes(model: nnx.Module, batch: int) -> int:
   """Weight bytes one decode step of `batch` tokens reads on one device (module docstring)."""
   cfg = model.cfg
   total = _device_bytes(nnx.state(model))
-  for _, node in nnx.iter_graph(model):
+  for path, node in nnx.iter_graph(model):
     if isinstance(node, StackedLinear):
       stacked = _device_bytes(nnx.state(node))
       total -= stacked - stacked * min(node.weight.shape[0],
                                        batch * cfg.num_experts_per_tok) // node.weight.shape[0]
-  if not cfg.tie_word_embeddings:
-    for path, node in nnx.iter_graph(model):
-      if path and path[-1] == "embed_tokens":  # an Embedding module or a bare Param
-        table = jax.tree.leaves(nnx.state(node) if isinstance(node, nnx.Module) else node)[0]
-        total -= _device_bytes(table) - _device_bytes(table) * batch // table.shape[0]
+    elif path and path[-1] == "embed_tokens" and not cfg.tie_word_embeddings:
+      # an Embedding module or a bare Param
+      table = jax.tree.leaves(nnx.state(node) if isinstance(node, nnx.Module) else node)[0]
+      total -= _device_bytes(table) - _device_bytes(table) * batch // table.shape[0]
   return total
 
 
@@ -105,13 +104,20 @@ def main():
       print(f"{preset}: not a preset here, skipped")
       continue
     built = runner.build(preset, tp=args.tp)
-    ref = runner.build(preset, tp=args.tp, implementation="xla") if args.xla_check else None
+
+    def paths(b: runner.Built) -> dict:
+      """{fused: (model, forward, params)}, once per preset: the unfused model is a rebuild."""
+      models = {f: b.model if f else b.make(False) for f in (False, True)}
+      return {f: (m, *runner.forward_fn(b, m, args.tp)) for f, m in models.items()}
+
+    kernel_paths = paths(built)
+    ref_paths = paths(runner.build(preset, tp=args.tp, implementation="xla")) \
+        if args.xla_check else None
     for b in args.batches:
       weight_bytes = step_bytes(built.model, b)
-      times, logits, cache_bytes = {}, {}, None
+      times, logits = {}, {}
       for fused in (False, True):
-        model = built.model if fused else built.make(False)
-        forward, params = runner.forward_fn(built, model, args.tp)
+        model, forward, params = kernel_paths[fused]
         cache = model.init_cache(b, args.context + 1)
         vocab = model.cfg.vocab_size
 
@@ -128,13 +134,11 @@ def main():
         logits[fused], new_cache = forward(params0, tok0, cache0, jnp.int32(args.context))
         cache_bytes = _device_bytes(new_cache)
         xla_diff = None
-        if ref is not None:
-          ref_model = ref.model if fused else ref.make(False)
-          ref_forward, ref_params = runner.forward_fn(ref, ref_model, args.tp)
+        if ref_paths is not None:
+          ref_model, ref_forward, ref_params = ref_paths[fused]
           want = ref_forward(ref_params, tok0, ref_model.init_cache(b, args.context + 1),
                              jnp.int32(args.context))[0]
           xla_diff = rel_rms(logits[fused], want)
-          del ref_model, ref_params
         read = weight_bytes + cache_bytes if args.tp == 1 else None
         # One step per timed jit, one compile (the counts read the same program): a step is a
         # whole model, and its compile dominates the run.
