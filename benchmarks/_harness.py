@@ -44,7 +44,8 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
   chain=False skips the slope (None), and so the second compile: for sweeps of Pallas
   kernels, whose every call in the jit is a separate Triton compile.
   top_kernels: the twelve kernels taking the most time, {name: us per call}: the profile that
-  explains a time. hlo=True adds the compiled N-call program's text (no extra compile).
+  explains a time. idle_us: per call and GPU, time between its first and last kernel with no
+  stream busy; top_gaps: the eight largest sums of it, by the kernels either side. hlo=True adds the compiled N-call program's text (no extra compile).
   """
   sets = make_inputs(2 * n if chain else n)
   f = jax.jit(lambda sets: [op(*s) for s in sets])
@@ -63,23 +64,37 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
     jax.profiler.stop_trace()
     paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
     data = jax.profiler.ProfileData.from_file(paths[0]) if paths else None
-  total_ns, count, gpus, by_name = 0.0, 0, 0, {}
+  total_ns, count, gpus, by_name, idle_ns, gaps = 0.0, 0, 0, {}, 0.0, {}
   for plane in data.planes if data else ():
     if plane.name.startswith("/device:GPU"):
-      busy = False
+      spans = []
       for line in plane.lines:
         if line.name.startswith("Stream"):
           for ev in line.events:
             total_ns += ev.duration_ns
-            count += 1
-            busy = True
             by_name[ev.name] = by_name.get(ev.name, 0.0) + ev.duration_ns
+            spans.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
+      count += len(spans)
       # Only GPUs that ran something: a one-GPU program on a two-GPU host halved its times.
-      gpus += busy
+      gpus += bool(spans)
+      # Idle time between the first kernel and the last (no stream busy), each gap named by
+      # the kernels on either side: where a wall-clock slope above the kernel sum comes from.
+      spans.sort()
+      end, prev = spans[0][1] if spans else 0, spans[0][2] if spans else ""
+      for start, stop, name in spans[1:]:
+        if start > end:
+          idle_ns += start - end
+          key = f"{prev[:40]} -> {name[:40]}"
+          gaps[key] = gaps.get(key, 0.0) + start - end
+        if stop > end:
+          end, prev = stop, name
   if count:
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     result.update(kernel_s=total_ns * 1e-9 / n / gpus, kernels_per_call=count / n / gpus,
-                  top_kernels={k[:80]: round(v * 1e-3 / n / gpus, 3) for k, v in top})
+                  top_kernels={k[:80]: round(v * 1e-3 / n / gpus, 3) for k, v in top},
+                  idle_us=round(idle_ns * 1e-3 / n / gpus, 3),
+                  top_gaps={k: round(v * 1e-3 / n / gpus, 3)
+                            for k, v in sorted(gaps.items(), key=lambda kv: -kv[1])[:8]})
   return result
 
 

@@ -160,7 +160,8 @@ def main():
                          cache_bytes=cache_bytes,
                          chain_us=m["chain_s"] and round(m["chain_s"] * 1e6, 2),
                          kernel_us=m["kernel_s"] and round(m["kernel_s"] * 1e6, 2), kernels=counts,
-                         top_kernels=m.get("top_kernels")))
+                         top_kernels=m.get("top_kernels"), idle_us=m.get("idle_us"),
+                         top_gaps=m.get("top_gaps")))
         print(f"{preset:>20} {b:>3} {path:>8} {sec * 1e6:9.1f} {(m['chain_s'] or 0) * 1e6:9.1f} "
               f"{counts['total']:7d} {times[False] / sec:10.3f} "
               f"{'-' if read is None else format(rows[-1]['roofline_frac'], '5.2f'):>5} "

@@ -99,8 +99,10 @@ def sweep_configs(impl: str, m: int, n: int, k: int) -> list[mm_pallas.Config]:
   h = HEURISTICS[impl](m, n, k)
   kb = -(-k // mm_pallas.BLOCK_K)
   if m <= 64:
+    # half the splits too: their f32 partials cost 10-40% at M = 64 (fp8_matmul_decode.json)
     cands = [mm_pallas.Config(h.block_m, bn, s, 4, 4) for bn in (32, 64, 128)
-             for s in dict.fromkeys((h.k_splits, min(2 * h.k_splits, pow2_floor(kb))))]
+             for s in dict.fromkeys((max(1, h.k_splits // 2), h.k_splits,
+                                     min(2 * h.k_splits, pow2_floor(kb))))]
   elif impl == "pallas":
     cands = [mm_pallas.Config(bm, bn, 1, w, st)
              for bm, bn, w, st in ((64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3),
