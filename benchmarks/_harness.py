@@ -33,7 +33,7 @@ def wall(fn, *args, reps: int = 7) -> float:
 
 
 def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: bool = True,
-            hlo: bool = False) -> dict:
+            hlo: bool = False, reps: int = 7) -> dict:
   """Time `op` two ways on distinct input sets, every output kept.
 
   chain_s:  device seconds per call by the N / 2N slope of wall time (dispatch cancels;
@@ -42,7 +42,8 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
             (launch gaps excluded; averaged over the GPUs of an SPMD program), with
             kernels_per_call (per device); None where no GPU trace is available.
   chain=False skips the slope (None), and so the second compile: for sweeps of Pallas
-  kernels, whose every call in the jit is a separate Triton compile.
+  kernels, whose every call in the jit is a separate Triton compile. `reps`: wall-clock
+  repetitions whose median is taken, for each of N and 2N.
   top_kernels: the twelve kernels taking the most time, {name: us per call}: the profile that
   explains a time. idle_us: per call and GPU, time between its first and last kernel with no
   stream busy; top_gaps: the eight largest sums of it, by the kernels either side. hlo=True adds the compiled N-call program's text (no extra compile).
@@ -51,8 +52,8 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
   f = jax.jit(lambda sets: [op(*s) for s in sets])
   result = {"chain_s": None, "kernel_s": None, "kernels_per_call": None}
   if chain:
-    t1 = wall(f, sets[:n])
-    t2 = wall(f, sets)
+    t1 = wall(f, sets[:n], reps=reps)
+    t2 = wall(f, sets, reps=reps)
     result["chain_s"] = max(t2 - t1, 1e-9) / n
   else:
     jax.block_until_ready(f(sets[:n]))

@@ -142,7 +142,9 @@ def main():
         read = weight_bytes + cache_bytes if args.tp == 1 else None
         # One step per timed jit, one compile (the counts read the same program): a step is a
         # whole model, and its compile dominates the run.
-        m = _harness.measure(step, make, 1, chain=args.smoke or args.wall, hlo=True)
+        # 41 wall repetitions: a step's launch gaps vary by hundreds of us from one run of it
+        # to the next (host-side), and 7 left the slope within +-30% (decode_wall.json).
+        m = _harness.measure(step, make, 1, chain=args.smoke or args.wall, hlo=True, reps=41)
         counts = kernel_counts(m["hlo"])
         sec = (not args.wall and m["kernel_s"]) or m["chain_s"]
         times[fused] = sec
