@@ -33,7 +33,7 @@ def wall(fn, *args, reps: int = 7) -> float:
 
 
 def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: bool = True,
-            hlo: bool = False, reps: int = 7) -> dict:
+            hlo: bool = False, steady: int = 0) -> dict:
   """Time `op` two ways on distinct input sets, every output kept.
 
   chain_s:  device seconds per call by the N / 2N slope of wall time (dispatch cancels;
@@ -42,8 +42,11 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
             (launch gaps excluded; averaged over the GPUs of an SPMD program), with
             kernels_per_call (per device); None where no GPU trace is available.
   chain=False skips the slope (None), and so the second compile: for sweeps of Pallas
-  kernels, whose every call in the jit is a separate Triton compile. `reps`: wall-clock
-  repetitions whose median is taken, for each of N and 2N.
+  kernels, whose every call in the jit is a separate Triton compile.
+  steady=K adds steady_s and dispatch_s: the N-call jit launched K times back to back, then
+  synchronised, wall seconds per call (median of 7 rounds), as a server runs one step after
+  another: kernels, the gaps between them and any host time the queue does not hide; and the
+  host's seconds per call to enqueue them (when it nears steady_s, the host is the bound).
   top_kernels: the twelve kernels taking the most time, {name: us per call}: the profile that
   explains a time. idle_us: per call and GPU, time between its first and last kernel with no
   stream busy; top_gaps: the eight largest sums of it, by the kernels either side. hlo=True adds the compiled N-call program's text (no extra compile).
@@ -52,8 +55,8 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
   f = jax.jit(lambda sets: [op(*s) for s in sets])
   result = {"chain_s": None, "kernel_s": None, "kernels_per_call": None}
   if chain:
-    t1 = wall(f, sets[:n], reps=reps)
-    t2 = wall(f, sets, reps=reps)
+    t1 = wall(f, sets[:n])
+    t2 = wall(f, sets)
     result["chain_s"] = max(t2 - t1, 1e-9) / n
   else:
     jax.block_until_ready(f(sets[:n]))
@@ -65,6 +68,16 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
     jax.profiler.stop_trace()
     paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
     data = jax.profiler.ProfileData.from_file(paths[0]) if paths else None
+  if steady:
+    per, enqueue = [], []
+    for _ in range(7):
+      t0 = time.perf_counter()
+      outs = [f(sets[:n]) for _ in range(steady)]
+      t1 = time.perf_counter()
+      jax.block_until_ready(outs)
+      per.append((time.perf_counter() - t0) / steady / n)
+      enqueue.append((t1 - t0) / steady / n)
+    result.update(steady_s=statistics.median(per), dispatch_s=statistics.median(enqueue))
   total_ns, count, gpus, by_name, idle_ns, gaps = 0.0, 0, 0, {}, 0.0, {}
   for plane in data.planes if data else ():
     if plane.name.startswith("/device:GPU"):

@@ -1,7 +1,10 @@
 """Model-level decode benchmark: one decode step, fused vs unfused, per preset and batch.
 
-Device time per step from the profiler (harness `measure`: kernel time summed per step, and the
-wall-clock slope with launch gaps); kernels per step counted from the compiled HLO.
+Time per step two ways (harness `measure`): device time, the profiler's kernel time summed per
+step (`kernel_us`, the default `time_us`), and the steady state, 32 steps launched back to back
+and timed by the wall clock (`steady_us`; `time_us` with --wall), which adds the idle gaps
+between kernels (`idle_us`, `top_gaps`) and any host time the launch queue does not hide
+(`dispatch_us`: host time to enqueue a step). Kernels per step counted from the compiled HLO.
 
 Floor = bytes a step must read, per device, / copy bandwidth. A step reads every weight once
 (`step_bytes`), except:
@@ -87,9 +90,10 @@ def main():
   ap.add_argument("--commit", default="unknown")
   ap.add_argument("--smoke", action="store_true", help="tiny presets, to check the script on CPU")
   ap.add_argument("--wall", action="store_true",
-                  help="time by the wall-clock slope (a second compile per row) instead of the "
-                       "profiler's kernel sum: under TP the kernel sum counts each GPU's spin-wait "
-                       "for its peer inside XLA's all-reduce kernels, which varies run to run")
+                  help="time by the steady state (32 steps launched back to back, wall clock per "
+                       "step, launch gaps and host time included) instead of the profiler's "
+                       "kernel sum: under TP the kernel sum counts each GPU's spin-wait for its "
+                       "peer inside XLA's all-reduce kernels, which varies run to run")
   ap.add_argument("--xla-check", action=argparse.BooleanOptionalAction, default=True,
                   help="check each path against itself on XLA (module docstring)")
   args = ap.parse_args()
@@ -97,7 +101,7 @@ def main():
   bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
   print(f"measured copy bandwidth {bw:.2f} TB/s; floor = weight bytes / copy bandwidth")
   rows = []
-  print(f"{'preset':>20} {'B':>3} {'path':>8} {'step us':>9} {'chain us':>9} {'kernels':>7} "
+  print(f"{'preset':>20} {'B':>3} {'path':>8} {'step us':>9} {'steady us':>9} {'kernels':>7} "
         f"{'vs unfused':>10} {'roof':>5} ok")
   for preset in presets:
     if preset not in runner.PRESETS:
@@ -142,11 +146,9 @@ def main():
         read = weight_bytes + cache_bytes if args.tp == 1 else None
         # One step per timed jit, one compile (the counts read the same program): a step is a
         # whole model, and its compile dominates the run.
-        # 41 wall repetitions: a step's launch gaps vary by hundreds of us from one run of it
-        # to the next (host-side), and 7 left the slope within +-30% (decode_wall.json).
-        m = _harness.measure(step, make, 1, chain=args.smoke or args.wall, hlo=True, reps=41)
+        m = _harness.measure(step, make, 1, chain=False, hlo=True, steady=32)
         counts = kernel_counts(m["hlo"])
-        sec = (not args.wall and m["kernel_s"]) or m["chain_s"]
+        sec = (not args.wall and m["kernel_s"]) or m["steady_s"]
         times[fused] = sec
         path = "fused" if fused else "unfused"
         diff = rel_rms(logits[fused], logits[False])
@@ -160,11 +162,12 @@ def main():
                          logits_rel_rms_vs_xla=xla_diff and round(xla_diff, 6),
                          logits_rel_rms_vs_unfused=round(diff, 5), weight_bytes=weight_bytes,
                          cache_bytes=cache_bytes,
-                         chain_us=m["chain_s"] and round(m["chain_s"] * 1e6, 2),
+                         steady_us=round(m["steady_s"] * 1e6, 2),
+                         dispatch_us=m.get("dispatch_s") and round(m["dispatch_s"] * 1e6, 2),
                          kernel_us=m["kernel_s"] and round(m["kernel_s"] * 1e6, 2), kernels=counts,
                          top_kernels=m.get("top_kernels"), idle_us=m.get("idle_us"),
                          top_gaps=m.get("top_gaps")))
-        print(f"{preset:>20} {b:>3} {path:>8} {sec * 1e6:9.1f} {(m['chain_s'] or 0) * 1e6:9.1f} "
+        print(f"{preset:>20} {b:>3} {path:>8} {sec * 1e6:9.1f} {m['steady_s'] * 1e6:9.1f} "
               f"{counts['total']:7d} {times[False] / sec:10.3f} "
               f"{'-' if read is None else format(rows[-1]['roofline_frac'], '5.2f'):>5} "
               f"{'yes' if rows[-1]['correct'] else 'NO'}", flush=True)
