@@ -40,6 +40,7 @@ import sys
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -122,20 +123,27 @@ def main():
       times, logits = {}, {}
       for fused in (False, True):
         model, forward, params = kernel_paths[fused]
-        cache = model.init_cache(b, args.context + 1)
         vocab = model.cfg.vocab_size
+        tok0 = jax.random.randint(jax.random.key(b), (b, 1), 0, vocab, jnp.int32)
+        logits[fused], new_cache = forward(params, tok0, model.init_cache(b, args.context + 1),
+                                           jnp.int32(args.context))
 
         # Weights and cache are arguments of the timed jit: closed over, they would be
-        # compiled in as constants.
-        def make(n, b=b, params=params, cache=cache):
+        # compiled in as constants. The cache and tokens are placed as a serving loop has
+        # them, the cache as the step returns it: a fresh one, on one device, made every
+        # step of --tp copy each shard to its device first (MemcpyP2P, and the host waiting
+        # for its peer at every copy: 3 ms a step in decode_tp2_steady.json).
+        where = logits[fused].sharding  # replicated over the mesh under --tp
+        where = (NamedSharding(where.mesh, P()) if isinstance(where, NamedSharding) else where)
+
+        def make(n, b=b, params=params, cache=new_cache, where=where):
           keys = jax.random.split(jax.random.key(b), n)
-          return [(params, cache, jax.random.randint(k, (b, 1), 0, vocab, jnp.int32))
+          return [(params, cache,
+                   jax.device_put(jax.random.randint(k, (b, 1), 0, vocab, jnp.int32), where))
                   for k in keys]
 
         step = lambda params, cache, tok, forward=forward: forward(
             params, tok, cache, jnp.int32(args.context))[0]
-        params0, cache0, tok0 = make(1)[0]
-        logits[fused], new_cache = forward(params0, tok0, cache0, jnp.int32(args.context))
         cache_bytes = _device_bytes(new_cache)
         xla_diff = None
         if ref_paths is not None:

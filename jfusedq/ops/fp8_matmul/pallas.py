@@ -69,7 +69,8 @@ def heuristics(m: int, n: int, k: int, device_kind: str | None = None, batch: in
 
   Set from the H200 sweep (benchmarks/results/fp8_matmul_sweep.json). M <= 64 (decode) is
   bound by reading the weight: 64-column tiles, and K split until about four (M <= 16) or two
-  programs per SM stream the weight, at most 8 splits (their f32 partials cost a pass). Larger
+  programs per SM stream the weight, at most 8 splits (their f32 partials cost a pass; half as
+  many splits ran 4-25% slower at M = 64, fp8_matmul_sweep_triton_m64.json). Larger
   M: 64 x 128 tiles of 4 warps beat 128 x 128 ones there (1.1-1.25x at M = 4096; wider tiles
   ran slower still, 256 x 128 at a third).
   """
