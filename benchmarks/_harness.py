@@ -49,7 +49,8 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
   host's seconds per call to enqueue them (when it nears steady_s, the host is the bound).
   top_kernels: the twelve kernels taking the most time, {name: us per call}: the profile that
   explains a time. idle_us: per call and GPU, time between its first and last kernel with no
-  stream busy; top_gaps: the eight largest sums of it, by the kernels either side. hlo=True adds the compiled N-call program's text (no extra compile).
+  stream busy; top_gaps: the eight largest sums of it, by the kernels either side. hlo=True
+  adds the compiled N-call program's text (no extra compile).
   """
   sets = make_inputs(2 * n if chain else n)
   f = jax.jit(lambda sets: [op(*s) for s in sets])

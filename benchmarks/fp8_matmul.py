@@ -99,7 +99,8 @@ def sweep_configs(impl: str, m: int, n: int, k: int) -> list[mm_pallas.Config]:
   h = HEURISTICS[impl](m, n, k)
   kb = -(-k // mm_pallas.BLOCK_K)
   if m <= 64:
-    # half the splits too: their f32 partials cost 10-40% at M = 64 (fp8_matmul_decode.json)
+    # half the splits too: their f32 partials were the suspect for M = 64's 10-40% over M = 1
+    # (fp8_matmul_decode.json); half ran 4-25% slower (fp8_matmul_sweep_triton_m64.json)
     cands = [mm_pallas.Config(h.block_m, bn, s, 4, 4) for bn in (32, 64, 128)
              for s in dict.fromkeys((max(1, h.k_splits // 2), h.k_splits,
                                      min(2 * h.k_splits, pow2_floor(kb))))]
