@@ -92,17 +92,9 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
       count += len(spans)
       # Only GPUs that ran something: a one-GPU program on a two-GPU host halved its times.
       gpus += bool(spans)
-      # Idle time between the first kernel and the last (no stream busy), each gap named by
-      # the kernels on either side: where a wall-clock slope above the kernel sum comes from.
-      spans.sort()
-      end, prev = spans[0][1] if spans else 0, spans[0][2] if spans else ""
-      for start, stop, name in spans[1:]:
-        if start > end:
-          idle_ns += start - end
-          key = f"{prev[:40]} -> {name[:40]}"
-          gaps[key] = gaps.get(key, 0.0) + start - end
-        if stop > end:
-          end, prev = stop, name
+      for key, ns in idle_gaps(spans).items():
+        idle_ns += ns
+        gaps[key] = gaps.get(key, 0.0) + ns
   if count:
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     result.update(kernel_s=total_ns * 1e-9 / n / gpus, kernels_per_call=count / n / gpus,
@@ -111,6 +103,23 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
                   top_gaps={k: round(v * 1e-3 / n / gpus, 3)
                             for k, v in sorted(gaps.items(), key=lambda kv: -kv[1])[:8]})
   return result
+
+
+def idle_gaps(spans: list[tuple[int, int, str]]) -> dict[str, int]:
+  """{"before -> after": ns}: time between the first kernel's start and the last one's end
+  when no stream is busy, summed per pair of kernels either side of each gap (the one that
+  ended last before it, the one that starts it). spans: (start_ns, end_ns, name), any order,
+  streams overlapping. Where a wall time above the kernel sum comes from."""
+  gaps: dict[str, int] = {}
+  spans = sorted(spans)
+  end, prev = (spans[0][1], spans[0][2]) if spans else (0, "")
+  for start, stop, name in spans[1:]:
+    if start > end:
+      key = f"{prev[:40]} -> {name[:40]}"
+      gaps[key] = gaps.get(key, 0) + start - end
+    if stop > end:
+      end, prev = stop, name
+  return gaps
 
 
 def copy_tbps(gib: float = 2.0) -> float:

@@ -27,3 +27,13 @@ def test_smoke(name, tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   doc = json.loads((tmp_path / f"{name}.json").read_text())
   assert doc["rows"] and all(row["correct"] for row in doc["rows"]), doc["rows"]
+
+
+def test_idle_gaps():
+  """Idle time counts only where no stream is busy, named by the kernels either side."""
+  sys.path.insert(0, str(BENCHMARKS))
+  from _harness import idle_gaps
+  spans = [(100, 130, "c"), (0, 10, "a"), (5, 40, "b"),  # b overlaps a on another stream
+           (50, 60, "c"), (135, 150, "a")]
+  assert idle_gaps(spans) == {"b -> c": 10, "c -> c": 40, "c -> a": 5}
+  assert idle_gaps([]) == {} and idle_gaps([(3, 9, "a")]) == {}
