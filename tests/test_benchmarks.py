@@ -36,4 +36,6 @@ def test_idle_gaps():
   spans = [(100, 130, "c"), (0, 10, "a"), (5, 40, "b"),  # b overlaps a on another stream
            (50, 60, "c"), (135, 150, "a")]
   assert idle_gaps(spans) == {"b -> c": 10, "c -> c": 40, "c -> a": 5}
+  # a kernel inside a longer one on another stream leaves no gap of its own
+  assert idle_gaps([(0, 100, "long"), (10, 20, "short"), (110, 120, "x")]) == {"long -> x": 10}
   assert idle_gaps([]) == {} and idle_gaps([(3, 9, "a")]) == {}
