@@ -171,7 +171,7 @@ def main():
                          logits_rel_rms_vs_unfused=round(diff, 5), weight_bytes=weight_bytes,
                          cache_bytes=cache_bytes,
                          steady_us=round(m["steady_s"] * 1e6, 2),
-                         dispatch_us=m.get("dispatch_s") and round(m["dispatch_s"] * 1e6, 2),
+                         dispatch_us=round(m["dispatch_s"] * 1e6, 2),
                          kernel_us=m["kernel_s"] and round(m["kernel_s"] * 1e6, 2), kernels=counts,
                          top_kernels=m.get("top_kernels"), idle_us=m.get("idle_us"),
                          top_gaps=m.get("top_gaps")))
