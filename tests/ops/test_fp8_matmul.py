@@ -261,11 +261,14 @@ def test_lowers(target, layout, config):
 
 # Mosaic GPU (Hopper wgmma) kernel: run by the GPU interpreter on CPU, lowered for the H200.
 # Opt-in and outside the shared parametrisation: it takes K % 128 == 0 and N % 64 == 0 only.
+# Every tile width the heuristic picks (192, 128, 64), a ragged last tile (N = 320 in tiles of
+# 128: the weight's rows past N arrive as zeros, the store clips), padded M, both layouts.
 @pytest.mark.parametrize("m_shape,n,k,layout,config", [
-    ((1,), 128, 256, "row", None),  # decode row, padded to a 64-row tile
-    ((100,), 192, 384, "col", None),  # N only a multiple of 64, M padded
-    ((2, 40), 256, 256, "row", MosaicConfig(128, 128, stages=2)),
-    ((64,), 128, 512, "col", MosaicConfig(64, 64, stages=1)),
+    ((1,), 128, 256, "row", None),  # decode row, padded to a 128-row tile
+    ((100,), 192, 384, "col", None),
+    ((2, 65), 320, 256, "row", MosaicConfig(128, stages=2)),
+    ((64,), 192, 512, "col", MosaicConfig(64, stages=1)),
+    ((130,), 64, 256, "row", None),
 ], ids=str)
 def test_mosaic_gpu(m_shape, n, k, layout, config):
   x, qw, sw = problem(("mosaic", m_shape, n, k), m_shape, n, k)
@@ -290,8 +293,10 @@ def test_mosaic_gpu_declines():
   x, qw, sw = problem(("mosaic_fnuz",), (3,), 256, 256, "e4m3fnuz")
   with pytest.raises(Unsupported, match="e4m3fn"):
     fp8_matmul(x, qw, sw, implementation="mosaic_gpu")
-  with pytest.raises(ValueError, match="block_m"):
-    MosaicConfig(32, 64)
+  with pytest.raises(ValueError, match="block_n"):
+    MosaicConfig(256)
+  with pytest.raises(ValueError, match="stages"):
+    MosaicConfig(128, stages=0)
 
 
 @pytest.mark.lowering

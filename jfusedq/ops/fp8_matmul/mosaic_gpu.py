@@ -1,23 +1,25 @@
-"""Mosaic GPU kernel for the block-scaled W8A8 GEMM on Hopper (sm90): FP8 wgmma.
+"""Mosaic GPU kernel for the block-scaled W8A8 GEMM on Hopper (sm90): FP8 wgmma, warp-specialised.
 
 Why a third kernel: the Pallas-Triton lowering emits `tt.dot` without `maxNumImpreciseAcc`, so
 Triton turns its fp8 dot into f16 `mma.sync` (pallas.py); this kernel issues e4m3 x e4m3 wgmma
 through Mosaic GPU directly.
 
-Grid (M / block_m, N / block_n), one warpgroup per program. A pipeline of `stages` TMA copies
-walks K in blocks of 128 (the scale granularity); per block:
-  1. d = a[block_m, 128] . w[block_n, 128]^T on the tensor cores (both operands K-major in
-     shared memory, as fp8 wgmma requires), into a fresh f32 accumulator;
+Grid (M / 128, ceil(N / block_n)), three warpgroups per program: one memory warpgroup walks K
+in blocks of 128 (the scale granularity) with a pipeline of `stages` TMA copies; two compute
+warpgroups own 64 rows each of the 128 x block_n tile. Per K block, each compute warpgroup:
+  1. d = a[64, 128] . w[block_n, 128]^T on the tensor cores (both operands K-major in shared
+     memory, as fp8 wgmma requires), into a fresh f32 accumulator;
   2. acc += d * s_a[:, None] * s_w[None, :] in registers (s_a: the rows' activation scales,
      s_w: the weight block's scale repeated over its columns).
 Scaling per block keeps the accumulation in f32 (Hopper's fp8 MMA accumulates with reduced
-precision inside one instruction chain). The epilogue goes registers -> shared -> TMA store.
+precision inside one instruction chain). The two compute warpgroups drift apart, so one's
+rescale overlaps the other's wgmma, and the memory warpgroup keeps the copies ahead of both
+(session 2's single-warpgroup version waited for each wgmma with the tensor cores idle:
+0.48-0.85x XLA's bf16 dot at M = 4096). The epilogue goes registers -> shared -> TMA store,
+which clips the columns past N.
 
-Shapes: K a multiple of 128, N of 64; M is padded to block_m by the caller's XLA (a copy of the
-activation, small next to the weight at the M this kernel is for). Correct on the H200 but
-slower than the Triton kernel there (0.48-0.85x XLA's bf16 dot at M = 4096,
-benchmarks/results/fp8_matmul_deepseek.json): opt-in (`implementation="mosaic_gpu"`), outside
-the default order.
+Shapes: K a multiple of 128, N of 64; M is padded to 128 by the caller's XLA (a copy of the
+activation, small next to the weight at the M this kernel is for).
 """
 
 from __future__ import annotations
@@ -35,28 +37,33 @@ from jfusedq.fp8 import E4M3FN
 from jfusedq.ops._dispatch import Unsupported
 
 BLOCK_K = 128
+BLOCK_M = 128  # two compute warpgroups of 64 rows (wgmma's M)
+WG_M = 64
 # 128-byte swizzle: one K block of fp8 is 128 bytes per row, the widest TMA/wgmma swizzle.
 _TRANSFORMS = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Tile (block_m in {64, 128}, block_n in {64, 128}) and TMA pipeline depth."""
+  """Tile width (block_n in {64, 128, 192}; the tile is 128 x block_n) and TMA pipeline depth.
 
-  block_m: int
+  A compute warpgroup holds two 64 x block_n f32 accumulators (the running sum and the fresh
+  block product): block_n / 2 registers per thread each, so 192 is the widest that fits."""
+
   block_n: int
   stages: int = 4
 
   def __post_init__(self):
-    if self.block_m not in (64, 128) or self.block_n not in (64, 128):
-      raise ValueError(f"Config needs block_m and block_n in (64, 128), got {self}")
+    if self.block_n not in (64, 128, 192):
+      raise ValueError(f"Config needs block_n in (64, 128, 192), got {self}")
     if not isinstance(self.stages, int) or self.stages < 1:
       raise ValueError(f"Config.stages must be a positive int, got {self.stages!r}")
 
 
 def heuristics(m: int, n: int) -> Config:
-  """128 x 128 tiles where M and N allow; 64 where N is only a multiple of 64 (2112)."""
-  return Config(128 if m > 64 else 64, 128 if n % 128 == 0 else 64)
+  """The widest tile that divides N (fewer weight tiles re-read per activation tile)."""
+  del m
+  return Config(next(bn for bn in (192, 128, 64) if n % bn == 0))
 
 
 def check(qa: jax.Array, n: int, k: int) -> None:
@@ -81,52 +88,59 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   n = qw.shape[0]
   check(qa, n, k)
   cfg = config or heuristics(m, n)
-  bm, bn, kb = cfg.block_m, cfg.block_n, k // BLOCK_K
-  if n % bn:
-    raise ValueError(f"block_n={bn} does not divide N={n}")
-  mp = -(-m // bm) * bm
+  bn, kb = cfg.block_n, k // BLOCK_K
+  mp = -(-m // BLOCK_M) * BLOCK_M
+  nt = -(-n // bn)
   sa_col = sa if a_layout == "col" else sa.T
   if mp != m:
     qa = jnp.pad(qa, ((0, mp - m), (0, 0)))
     sa_col = jnp.pad(sa_col, ((0, 0), (0, mp - m)))
-  # The weight block's scale repeated over its 128 columns: one TMA row per K block.
-  sw_cols = jnp.repeat(sw.T, BLOCK_K, axis=1)[:, :n]
+  # The weight block's scale repeated over its 128 columns (one TMA row per K block), out to
+  # whole tiles: the last tile's weight rows past N arrive as zeros (TMA fills them).
+  sw_cols = jnp.repeat(sw.T, BLOCK_K, axis=1)
+  sw_cols = jnp.pad(sw_cols, ((0, 0), (0, max(0, nt * bn - sw_cols.shape[1]))))[:, :nt * bn]
 
-  def kernel(a_gmem, sa_gmem, w_gmem, sw_gmem, o_gmem):
+  def tile(a_gmem, sa_gmem, w_gmem, sw_gmem, o_gmem, o_smem):
     mi, ni = lax.axis_index("m"), lax.axis_index("n")
+    wg = lax.axis_index("wg")
+    rows = pl.ds(wg * WG_M, WG_M)
 
     def step(_, a_smem, w_smem, sa_smem, sw_smem, acc):
-      def mma(acc_ref):
-        plgpu.wgmma(acc_ref, a_smem, w_smem.transpose((1, 0)))
+      def mma(d_ref):
+        plgpu.wgmma(d_ref, a_smem.at[rows], w_smem.transpose((1, 0)))
         plgpu.wgmma_wait(0)
-        return acc_ref[...]
+        return d_ref[...]
 
-      d = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
-      s_a = plgpu.load(sa_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+      d = pl.run_scoped(mma, plgpu.ACC((WG_M, bn), jnp.float32))
+      s_a = plgpu.load(sa_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
       s_w = plgpu.load(sw_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
       return acc + d * s_a[:, None] * s_w[None, :]
 
-    acc = plgpu.emit_pipeline(
-        step, grid=(kb,),
-        in_specs=[plgpu.BlockSpec((bm, BLOCK_K), lambda b: (mi, b), transforms=_TRANSFORMS),
-                  plgpu.BlockSpec((bn, BLOCK_K), lambda b: (ni, b), transforms=_TRANSFORMS),
-                  plgpu.BlockSpec((1, bm), lambda b: (b, mi)),
-                  plgpu.BlockSpec((1, bn), lambda b: (b, ni))],
-        max_concurrent_steps=cfg.stages,
-        init_carry=plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA),
-    )(a_gmem, w_gmem, sa_gmem, sw_gmem)
-
-    def epilogue(o_smem):
-      o_smem[...] = acc.astype(out_dtype)
+    def context(run):
+      acc = run(plgpu.layout_cast(jnp.zeros((WG_M, bn), jnp.float32), plgpu.Layout.WGMMA))
+      o_smem[wg] = acc.astype(out_dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
+      plgpu.copy_smem_to_gmem(
+          o_smem.at[wg], o_gmem.at[pl.ds(mi * BLOCK_M + wg * WG_M, WG_M), pl.ds(ni * bn, bn)])
       plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(epilogue, plgpu.SMEM((bm, bn), out_dtype))
+    plgpu.emit_pipeline_warp_specialized(
+        step, grid=(kb,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+        max_concurrent_steps=cfg.stages, compute_context=context,
+        in_specs=[plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda b: (mi, b), transforms=_TRANSFORMS),
+                  plgpu.BlockSpec((bn, BLOCK_K), lambda b: (ni, b), transforms=_TRANSFORMS),
+                  plgpu.BlockSpec((1, BLOCK_M), lambda b: (b, mi)),
+                  plgpu.BlockSpec((1, bn), lambda b: (b, ni))],
+    )(a_gmem, w_gmem, sa_gmem, sw_gmem)
+
+  def kernel(*refs):
+    # Allocated by all three warpgroups together (a collective scope), used by the compute two.
+    pl.run_scoped(lambda o_smem: tile(*refs, o_smem), plgpu.SMEM((2, WG_M, bn), out_dtype),
+                  collective_axes="wg")
 
   out = plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((mp, n), out_dtype), grid=(mp // bm, n // bn),
-      grid_names=("m", "n"),
+      kernel, out_type=jax.ShapeDtypeStruct((mp, n), out_dtype), grid=(mp // BLOCK_M, nt),
+      grid_names=("m", "n"), num_threads=3, thread_name="wg",
       interpret=plgpu.InterpretGPUParams() if _target.interpret() else False,
   )(qa, sa_col, qw, sw_cols)
   return out[:m] if mp != m else out
