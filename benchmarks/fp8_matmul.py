@@ -99,9 +99,8 @@ HEURISTICS = {"pallas": mm_pallas.heuristics, "triton": mm_triton.heuristics,
 def sweep_configs(impl: str, m: int, n: int, k: int) -> list:
   """The heuristic's pick and its neighbours: tile width, K split, warps, stages."""
   h = HEURISTICS[impl](m, n, k)
-  if impl == "mosaic_gpu":  # tile widths dividing N; 2 to 4 TMA stages (192 x 5 overflows SMEM)
-    cands = [mm_mosaic.Config(bn, st) for bn in (64, 128, 192) if n % bn == 0
-             for st in (2, 3, 4)]
+  if impl == "mosaic_gpu":  # narrower tiles and 2 stages lost everywhere (sweep_mosaic_gpu.json)
+    cands = [mm_mosaic.Config(h.block_n, st, p) for st in (3, 4) for p in (False, True)]
     return [h] + [c for c in cands if c != h]
   kb = -(-k // mm_pallas.BLOCK_K)
   if m <= 64:
@@ -160,11 +159,16 @@ def main():
   ap.add_argument("--tag", default="", help="results file fp8_matmul_<tag>.json")
   ap.add_argument("--extra", nargs="*", default=[], choices=sorted(EXTRA_IMPLS),
                   help="also time these implementations")
+  ap.add_argument("--impls", nargs="+", default=None, choices=sorted({**IMPLS, **EXTRA_IMPLS}),
+                  help="time only these (xla_bf16, the ratios' base, is always timed)")
   args = ap.parse_args()
   nks = tuple(tuple(int(d) for d in nk.split("x")) for nk in args.nks) if args.nks else NKS
   ms, nks = ((1, 16), ((256, 384),)) if args.smoke else (args.ms, nks)
   name = "fp8_matmul" + (f"_{args.tag}" if args.tag else "")
   impls = dict(IMPLS, **{extra: EXTRA_IMPLS[extra] for extra in args.extra})
+  if args.impls:
+    every = {**IMPLS, **EXTRA_IMPLS}
+    impls = {name: every[name] for name in dict.fromkeys(["xla_bf16", *args.impls])}
 
   bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
   bf16 = bf16_tflops(256 if args.smoke else 8192)
@@ -183,7 +187,7 @@ def main():
     x, qa, qw, sw, wb = make(1)[0]
     want = fp8_matmul(qa, qw, sw, implementation="xla")
     ok = {impl: rel_rms(fp8_matmul(qa, qw, sw, implementation=impl), want) <= 2.0**-8
-          for impl in ("pallas", *args.extra)}
+          for impl in {i.split("+")[0] for i in impls} - {"xla_bf16", "xla_dequant"}}
     flops = 2 * m * n * k
     kb = -(-k // 128)
     nbytes = n * k + (-(-n // 128)) * kb * 4 + m * k + m * kb * 4 + m * n * 2

@@ -14,6 +14,7 @@ from jfusedq import (QuantizedActivation, _target, default_format, fp8_matmul, g
 from jfusedq.nn import quantize_weight
 from jfusedq.ops._dispatch import Unsupported
 from jfusedq.ops.fp8_matmul import Config
+from jfusedq.ops.fp8_matmul import mosaic_gpu
 from jfusedq.ops.fp8_matmul.mosaic_gpu import Config as MosaicConfig
 from jfusedq.ops.fp8_matmul import pallas as mm_pallas
 from jfusedq.ops.fp8_matmul import triton as mm_triton
@@ -278,6 +279,20 @@ def test_mosaic_gpu(m_shape, n, k, layout, config):
   # bf16 input: quantised by Pallas for it, same result as the tuple.
   np.testing.assert_array_equal(np.asarray(fp8_matmul(x, qw, sw, implementation="mosaic_gpu",
                                                       config=config)), np.asarray(got))
+
+
+@pytest.mark.parametrize("m,n,k,layout,config", [
+    (300, 320, 384, "row", MosaicConfig(128, stages=2, persistent=True)),  # 9 tiles, 3 a CTA
+    (130, 192, 256, "col", MosaicConfig(64, stages=3, persistent=True)),  # 6 tiles, 2 a CTA
+], ids=str)
+def test_mosaic_gpu_persistent(monkeypatch, m, n, k, layout, config):
+  # Four SMs: every CTA walks several tiles and the last round runs past the last tile (its
+  # copies out of bounds, its store clipped), on the interpreter and on a real GPU alike.
+  monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda: 4)
+  x, qw, sw = problem(("mosaic_persistent", m, n, k), (m,), n, k)
+  qa = group_quant(x, layout=layout, implementation="xla")
+  assert_close(fp8_matmul(qa, qw, sw, implementation="mosaic_gpu", config=config),
+               fp8_matmul(qa, qw, sw, implementation="xla"))
 
 
 def test_mosaic_gpu_declines():
