@@ -99,8 +99,9 @@ HEURISTICS = {"pallas": mm_pallas.heuristics, "triton": mm_triton.heuristics,
 def sweep_configs(impl: str, m: int, n: int, k: int) -> list:
   """The heuristic's pick and its neighbours: tile width, K split, warps, stages."""
   h = HEURISTICS[impl](m, n, k)
-  if impl == "mosaic_gpu":  # narrower tiles and 2 stages lost everywhere (sweep_mosaic_gpu.json)
-    cands = [mm_mosaic.Config(h.block_n, st, p) for st in (3, 4) for p in (False, True)]
+  if impl == "mosaic_gpu":  # tile widths dividing N; 2 to 4 TMA stages (192 x 5 overflows SMEM)
+    cands = [mm_mosaic.Config(bn, st) for bn in (64, 128, 192) if n % bn == 0
+             for st in (2, 3, 4)]
     return [h] + [c for c in cands if c != h]
   kb = -(-k // mm_pallas.BLOCK_K)
   if m <= 64:
@@ -168,7 +169,7 @@ def main():
   impls = dict(IMPLS, **{extra: EXTRA_IMPLS[extra] for extra in args.extra})
   if args.impls:
     every = {**IMPLS, **EXTRA_IMPLS}
-    impls = {name: every[name] for name in dict.fromkeys(["xla_bf16", *args.impls])}
+    impls = {i: every[i] for i in dict.fromkeys(["xla_bf16", *args.impls])}
 
   bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
   bf16 = bf16_tflops(256 if args.smoke else 8192)

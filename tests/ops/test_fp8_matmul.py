@@ -14,7 +14,6 @@ from jfusedq import (QuantizedActivation, _target, default_format, fp8_matmul, g
 from jfusedq.nn import quantize_weight
 from jfusedq.ops._dispatch import Unsupported
 from jfusedq.ops.fp8_matmul import Config
-from jfusedq.ops.fp8_matmul import mosaic_gpu
 from jfusedq.ops.fp8_matmul.mosaic_gpu import Config as MosaicConfig
 from jfusedq.ops.fp8_matmul import pallas as mm_pallas
 from jfusedq.ops.fp8_matmul import triton as mm_triton
@@ -261,7 +260,7 @@ def test_lowers(target, layout, config):
 
 
 # Mosaic GPU (Hopper wgmma) kernel: run by the GPU interpreter on CPU, lowered for the H200.
-# Opt-in and outside the shared parametrisation: it takes K % 128 == 0 and N % 64 == 0 only.
+# Outside the shared parametrisation: it takes K % 128 == 0 and N % 64 == 0 only.
 # Every tile width the heuristic picks (192, 128, 64), a ragged last tile (N = 320 in tiles of
 # 128: the weight's rows past N arrive as zeros, the store clips), padded M, both layouts.
 @pytest.mark.parametrize("m_shape,n,k,layout,config", [
@@ -279,20 +278,6 @@ def test_mosaic_gpu(m_shape, n, k, layout, config):
   # bf16 input: quantised by Pallas for it, same result as the tuple.
   np.testing.assert_array_equal(np.asarray(fp8_matmul(x, qw, sw, implementation="mosaic_gpu",
                                                       config=config)), np.asarray(got))
-
-
-@pytest.mark.parametrize("m,n,k,layout,config", [
-    (300, 320, 384, "row", MosaicConfig(128, stages=2, persistent=True)),  # 9 tiles, 3 a CTA
-    (130, 192, 256, "col", MosaicConfig(64, stages=3, persistent=True)),  # 6 tiles, 2 a CTA
-], ids=str)
-def test_mosaic_gpu_persistent(monkeypatch, m, n, k, layout, config):
-  # Four SMs: every CTA walks several tiles and the last round runs past the last tile (its
-  # copies out of bounds, its store clipped), on the interpreter and on a real GPU alike.
-  monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda: 4)
-  x, qw, sw = problem(("mosaic_persistent", m, n, k), (m,), n, k)
-  qa = group_quant(x, layout=layout, implementation="xla")
-  assert_close(fp8_matmul(qa, qw, sw, implementation="mosaic_gpu", config=config),
-               fp8_matmul(qa, qw, sw, implementation="xla"))
 
 
 def test_mosaic_gpu_declines():
@@ -330,3 +315,22 @@ def test_mosaic_gpu_lowers(target):
       lower(target, fn, *args)
     return
   assert "mosaic_gpu" in lower(target, fn, *args)
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("m,k,mosaic", [(4096, 1536, True), (4096, 16384, False),
+                                        (2048, 1536, False)])
+def test_default_order_lowers(target, m, k, mosaic):
+  # With no implementation asked for, Hopper runs the Mosaic GPU kernel where it was measured
+  # to win (M >= 4096, K <= 7168: api.gpu_order) and the portable kernels elsewhere; ROCm never.
+  S = jax.ShapeDtypeStruct
+  fp8 = jnp.float8_e4m3fnuz if target == "gfx942" else jnp.float8_e4m3fn
+
+  def fn(q, s, w, sw):
+    return fp8_matmul(QuantizedActivation(q, s), w, sw)
+
+  kb = k // 128
+  text = lower(target, fn, S((m, k), fp8), S((m, kb), jnp.float32), S((2112, k), fp8),
+               S((17, kb), jnp.float32))
+  assert ("mosaic_gpu" in text) == (mosaic and target == "h200")

@@ -21,6 +21,17 @@ BLOCK = reference.BLOCK
 # lowering feeds fp8 to f16 mma.sync instead of fp8 wgmma. Without jax-triton it declines and
 # Pallas runs.
 GPU_ORDER = ("triton", "pallas", "xla")
+# At M = 4096 on the H200 (results/fp8_matmul_mosaic.json, one run) the warp-specialised Mosaic
+# GPU kernel ran 1.11x / 0.95x / 1.10x XLA's bf16 dot at K = 7168 / 1536 / 4096, where Triton
+# ran 0.90x / 0.90x / 1.05x; at K = 16384 Triton was ahead (1.16x against 1.06x), and K = 8192
+# was not measured for this version. So it goes first there, where it was measured to win; it
+# declines off Hopper and for shapes it cannot tile, and the order goes on.
+MOSAIC_MIN_M, MOSAIC_MAX_K = 4096, 7168
+
+
+def gpu_order(m: int, k: int) -> tuple[str, ...]:
+  """The GPU backends for an `[M, K]` activation, best first (measured, above)."""
+  return ("mosaic_gpu", *GPU_ORDER) if m >= MOSAIC_MIN_M and k <= MOSAIC_MAX_K else GPU_ORDER
 
 
 def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_scale: jax.Array, *,
@@ -41,8 +52,8 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
     a: `[..., K]` array or QuantizedActivation (`q [..., K]`, scale per layout).
     weight: `[N, K]` float8_e4m3fn or float8_e4m3fnuz; any N, K.
     weight_scale: `[ceil(N/128), ceil(K/128)]` float32.
-    implementation: "triton", "pallas", "mosaic_gpu" (Hopper, opt-in: slower than Triton on
-      the H200), "xla", a sequence tried in order, or None (`GPU_ORDER` on a GPU, else XLA).
+    implementation: "triton", "pallas", "mosaic_gpu" (Hopper), "xla", a sequence tried in
+      order, or None (`gpu_order(M, K)` on a GPU, else XLA).
     config: tiling: `pallas.Config` (Pallas and Triton; default `pallas.heuristics` /
       `triton.heuristics`, by M and device) or `mosaic_gpu.Config`.
   """
@@ -70,7 +81,8 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
               "triton": tiled(triton, triton.heuristics),
               "mosaic_gpu": tiled(mosaic_gpu, lambda m, n, k: mosaic_gpu.heuristics(m, n)),
               "xla": xla}
-  return dispatch("fp8_matmul", backends, implementation, gpu_order=GPU_ORDER)
+  return dispatch("fp8_matmul", backends, implementation,
+                  gpu_order=gpu_order(math.prod(qa.q.shape[:-1]), k))
 
 
 def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,

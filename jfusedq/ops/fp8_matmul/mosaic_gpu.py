@@ -4,11 +4,9 @@ Why a third kernel: the Pallas-Triton lowering emits `tt.dot` without `maxNumImp
 Triton turns its fp8 dot into f16 `mma.sync` (pallas.py); this kernel issues e4m3 x e4m3 wgmma
 through Mosaic GPU directly.
 
-Tiles of 128 x block_n; a program (CTA) per tile, or with `persistent` one per SM walking
-tiles M-fastest in a single pipeline, so the copies for its next tile run during the last one's
-epilogue. Three warpgroups per program: one memory warpgroup walks K in blocks of 128 (the
-scale granularity) with a pipeline of `stages` TMA copies; two compute warpgroups own 64 rows
-each of the tile. Per K block, each compute warpgroup:
+Grid (M / 128, ceil(N / block_n)), three warpgroups per program: one memory warpgroup walks K
+in blocks of 128 (the scale granularity) with a pipeline of `stages` TMA copies; two compute
+warpgroups own 64 rows each of the 128 x block_n tile. Per K block, each compute warpgroup:
   1. d = a[64, 128] . w[block_n, 128]^T on the tensor cores (both operands K-major in shared
      memory, as fp8 wgmma requires), into a fresh f32 accumulator;
   2. acc += d * s_a[:, None] * s_w[None, :] in registers (s_a: the rows' activation scales,
@@ -22,6 +20,12 @@ which clips the columns past N.
 
 Shapes: K a multiple of 128, N of 64; M is padded to 128 by the caller's XLA (a copy of the
 activation, small next to the weight at the M this kernel is for).
+
+H200, M = 4096 (results/fp8_matmul_mosaic.json): 889 / 781 / 769 / 887 TFLOP/s at (N, K) =
+(2112, 7168) / (24576, 1536) / (7168, 16384) / (12288, 4096), 1.11 / 0.95 / 1.06 / 1.10x XLA's
+bf16 dot. Tried and measured slower (results/fp8_matmul_mosaic_{cond,mask}.json): a persistent
+schedule (one CTA per SM walking its tiles in one pipeline, the store inside the step), by
+0.5-26%: the in-step epilogue cost more than the refills it saved.
 """
 
 from __future__ import annotations
@@ -54,7 +58,6 @@ class Config:
 
   block_n: int
   stages: int = 4
-  persistent: bool = False  # one CTA per SM walking tiles in one pipeline (no refill per tile)
 
   def __post_init__(self):
     if self.block_n not in (64, 128, 192):
@@ -64,20 +67,9 @@ class Config:
 
 
 def heuristics(m: int, n: int) -> Config:
-  """The widest tile that divides N (fewer re-reads of each operand), 4 stages (the fastest in
-  results/fp8_matmul_sweep_mosaic_gpu.json at M = 4096), persistent."""
+  """The widest tile that divides N (fewer weight tiles re-read per activation tile)."""
   del m
-  return Config(next(bn for bn in (192, 128, 64) if n % bn == 0), persistent=True)
-
-
-def _num_sms() -> int:
-  """SMs of the device compiled for; 132 (an H100/H200's) where it is not known: an abstract
-  device without core count, or the CPU interpreter."""
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  if device is not None:
-    return device.num_cores or 132
-  d = jax.devices()[0]
-  return d.core_count if d.platform == "gpu" else 132
+  return Config(next(bn for bn in (192, 128, 64) if n % bn == 0))
 
 
 def check(qa: jax.Array, n: int, k: int) -> None:
@@ -114,25 +106,12 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   sw_cols = jnp.repeat(sw.T, BLOCK_K, axis=1)
   sw_cols = jnp.pad(sw_cols, ((0, 0), (0, max(0, nt * bn - sw_cols.shape[1]))))[:, :nt * bn]
 
-  mt = mp // BLOCK_M
-  tiles = mt * nt
-  ctas = min(tiles, _num_sms()) if cfg.persistent else tiles
-  per_cta = -(-tiles // ctas)
-
-  def body(a_gmem, sa_gmem, w_gmem, sw_gmem, o_gmem, o_smem):
-    cta, wg = lax.axis_index("c"), lax.axis_index("wg")
+  def tile(a_gmem, sa_gmem, w_gmem, sw_gmem, o_gmem, o_smem):
+    mi, ni = lax.axis_index("m"), lax.axis_index("n")
+    wg = lax.axis_index("wg")
     rows = pl.ds(wg * WG_M, WG_M)
-    # Pipeline step s: K block s % kb of this CTA's tile number s // kb, M fastest (the CTAs
-    # at work together share weight tiles in L2). Past the last tile (the persistent grid's
-    # ragged last round) the copies read out of bounds (zeros) and the store is clipped.
-    tile_of = lambda s: cta + (s // kb) * ctas
-    mi = lambda s: tile_of(s) % mt
-    ni = lambda s: tile_of(s) // mt
 
-    def step(idx, a_smem, w_smem, sa_smem, sw_smem, acc):
-      (s,) = idx
-      kk = s % kb
-
+    def step(_, a_smem, w_smem, sa_smem, sw_smem, acc):
       def mma(d_ref):
         plgpu.wgmma(d_ref, a_smem.at[rows], w_smem.transpose((1, 0)))
         plgpu.wgmma_wait(0)
@@ -141,45 +120,33 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
       d = pl.run_scoped(mma, plgpu.ACC((WG_M, bn), jnp.float32))
       s_a = plgpu.load(sa_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
       s_w = plgpu.load(sw_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-      scaled = d * s_a[:, None] * s_w[None, :]
-      # A tile's first block starts the sum afresh: a multiply, as a cond with arrays in its
-      # branches ran the whole kernel 1.1-1.35x slower (f95e3d9). acc is finite (fp8 codes
-      # times finite scales), so 0 * acc is 0.
-      acc = acc * (kk != 0).astype(jnp.float32) + scaled
-
-      @pl.when(kk == kb - 1)
-      def _store():
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read o_smem
-        o_smem[wg] = acc.astype(out_dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[
-            pl.ds(mi(s) * BLOCK_M + wg * WG_M, WG_M), pl.ds(ni(s) * bn, bn)])
-
-      return acc
+      return acc + d * s_a[:, None] * s_w[None, :]
 
     def context(run):
-      run(plgpu.layout_cast(jnp.zeros((WG_M, bn), jnp.float32), plgpu.Layout.WGMMA))
+      acc = run(plgpu.layout_cast(jnp.zeros((WG_M, bn), jnp.float32), plgpu.Layout.WGMMA))
+      o_smem[wg] = acc.astype(out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(
+          o_smem.at[wg], o_gmem.at[pl.ds(mi * BLOCK_M + wg * WG_M, WG_M), pl.ds(ni * bn, bn)])
       plgpu.wait_smem_to_gmem(0)
 
     plgpu.emit_pipeline_warp_specialized(
-        step, grid=(per_cta * kb,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+        step, grid=(kb,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
         max_concurrent_steps=cfg.stages, compute_context=context,
-        in_specs=[plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda s: (mi(s), s % kb),
-                                  transforms=_TRANSFORMS),
-                  plgpu.BlockSpec((bn, BLOCK_K), lambda s: (ni(s), s % kb),
-                                  transforms=_TRANSFORMS),
-                  plgpu.BlockSpec((1, BLOCK_M), lambda s: (s % kb, mi(s))),
-                  plgpu.BlockSpec((1, bn), lambda s: (s % kb, ni(s)))],
+        in_specs=[plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda b: (mi, b), transforms=_TRANSFORMS),
+                  plgpu.BlockSpec((bn, BLOCK_K), lambda b: (ni, b), transforms=_TRANSFORMS),
+                  plgpu.BlockSpec((1, BLOCK_M), lambda b: (b, mi)),
+                  plgpu.BlockSpec((1, bn), lambda b: (b, ni))],
     )(a_gmem, w_gmem, sa_gmem, sw_gmem)
 
   def kernel(*refs):
     # Allocated by all three warpgroups together (a collective scope), used by the compute two.
-    pl.run_scoped(lambda o_smem: body(*refs, o_smem), plgpu.SMEM((2, WG_M, bn), out_dtype),
+    pl.run_scoped(lambda o_smem: tile(*refs, o_smem), plgpu.SMEM((2, WG_M, bn), out_dtype),
                   collective_axes="wg")
 
   out = plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((mp, n), out_dtype), grid=(ctas,),
-      grid_names=("c",), num_threads=3, thread_name="wg",
+      kernel, out_type=jax.ShapeDtypeStruct((mp, n), out_dtype), grid=(mp // BLOCK_M, nt),
+      grid_names=("m", "n"), num_threads=3, thread_name="wg",
       interpret=plgpu.InterpretGPUParams() if _target.interpret() else False,
   )(qa, sa_col, qw, sw_cols)
   return out[:m] if mp != m else out
