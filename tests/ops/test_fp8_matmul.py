@@ -334,3 +334,26 @@ def test_default_order_lowers(target, m, k, mosaic):
   text = lower(target, fn, S((m, k), fp8), S((m, kb), jnp.float32), S((2112, k), fp8),
                S((17, kb), jnp.float32))
   assert ("mosaic_gpu" in text) == (mosaic and target == "h200")
+
+
+@pytest.mark.lowering
+def test_mosaic_gpu_lowers_in_shard_map():
+  # A row-parallel projection as the models run it under TP: K split over two H200s, the
+  # Mosaic GPU kernel (default at this M) inside shard_map, then the psum.
+  from jax.sharding import AbstractDevice, AbstractMesh, PartitionSpec as P
+  S = jax.ShapeDtypeStruct
+  fp8 = jnp.float8_e4m3fn
+  mesh = AbstractMesh((2,), ("tp",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
+
+  def body(q, s, w, sw):
+    return jax.lax.psum(fp8_matmul(QuantizedActivation(q, s), w, sw), "tp")
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"),) * 4, out_specs=P(),
+                     check_vma=False)
+  split = jax.sharding.NamedSharding(mesh, P(None, "tp"))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(fn).trace(
+        S((4096, 3072), fp8, sharding=split), S((4096, 24), jnp.float32, sharding=split),
+        S((2112, 3072), fp8, sharding=split), S((17, 24), jnp.float32, sharding=split),
+    ).lower().as_text()
+  assert "mosaic_gpu" in text and "all_reduce" in text
