@@ -14,6 +14,7 @@ from jfusedq import (QuantizedActivation, _target, default_format, fp8_matmul, g
 from jfusedq.nn import quantize_weight
 from jfusedq.ops._dispatch import Unsupported
 from jfusedq.ops.fp8_matmul import Config
+from jfusedq.ops.fp8_matmul import mosaic_gpu
 from jfusedq.ops.fp8_matmul.mosaic_gpu import Config as MosaicConfig
 from jfusedq.ops.fp8_matmul import pallas as mm_pallas
 from jfusedq.ops.fp8_matmul import triton as mm_triton
@@ -280,6 +281,20 @@ def test_mosaic_gpu(m_shape, n, k, layout, config):
                                                       config=config)), np.asarray(got))
 
 
+@pytest.mark.parametrize("m,n,k,layout,config", [
+    (300, 320, 384, "row", MosaicConfig(128, stages=2, persistent=True)),  # 9 tiles on 4 CTAs
+    (130, 192, 256, "col", MosaicConfig(64, stages=3, persistent=True)),  # 6 tiles on 4 CTAs
+], ids=str)
+def test_mosaic_gpu_persistent(monkeypatch, m, n, k, layout, config):
+  # Four SMs: every CTA walks two or three tiles (a ragged count), reusing the pipeline's
+  # buffers and the output staging, on the interpreter and on a real GPU alike.
+  monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda: 4)
+  x, qw, sw = problem(("mosaic_persistent", m, n, k), (m,), n, k)
+  qa = group_quant(x, layout=layout, implementation="xla")
+  assert_close(fp8_matmul(qa, qw, sw, implementation="mosaic_gpu", config=config),
+               fp8_matmul(qa, qw, sw, implementation="xla"))
+
+
 def test_mosaic_gpu_declines():
   x, qw, sw = problem(("mosaic_declines",), (3,), 256, 300)
   with pytest.raises(Unsupported, match="K % 128"):
@@ -301,12 +316,14 @@ def test_mosaic_gpu_declines():
 
 @pytest.mark.lowering
 @pytest.mark.parametrize("target", TARGETS)
-def test_mosaic_gpu_lowers(target):
+@pytest.mark.parametrize("persistent", [False, True])
+def test_mosaic_gpu_lowers(target, persistent):
   S = jax.ShapeDtypeStruct
   fp8 = jnp.float8_e4m3fn
 
   def fn(q, s, w, sw):
-    return fp8_matmul(QuantizedActivation(q, s), w, sw, implementation="mosaic_gpu")
+    return fp8_matmul(QuantizedActivation(q, s), w, sw, implementation="mosaic_gpu",
+                      config=MosaicConfig(192, persistent=persistent))
 
   args = S((256, 1536), fp8), S((256, 12), jnp.float32), S((2112, 1536), fp8), S((17, 12),
                                                                                    jnp.float32)

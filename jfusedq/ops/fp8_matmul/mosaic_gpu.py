@@ -27,6 +27,10 @@ bf16 dot. Tried and measured slower (results/fp8_matmul_mosaic_{cond,mask}.json)
 schedule (one CTA per SM walking its tiles in one pipeline, the store inside the step), 1-25%
 slower than this kernel: moving the store into the step cost more than the refills saved
 (persistent was 2-12% faster than per-tile CTAs with the store in the step alike).
+`Config(persistent=True)` is the schedule with the store kept out of the step: one CTA per SM
+loops over its tiles, each a pipeline over K, the pipeline's buffers allocated once so the
+memory warpgroup runs ahead into the next tile. Checked by the interpreter and lowered for the
+H200; not yet timed, so not the default.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class Config:
 
   block_n: int
   stages: int = 4
+  # One CTA per SM walking tiles, the pipeline's buffers kept across them (unmeasured: opt-in).
+  persistent: bool = False
 
   def __post_init__(self):
     if self.block_n not in (64, 128, 192):
@@ -71,6 +77,16 @@ def heuristics(m: int, n: int) -> Config:
   """The widest tile that divides N (fewer weight tiles re-read per activation tile)."""
   del m
   return Config(next(bn for bn in (192, 128, 64) if n % bn == 0))
+
+
+def _num_sms() -> int:
+  """SMs of the device compiled for; 132 (an H100/H200's) where it is not known: an abstract
+  device without core count, or the CPU interpreter."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if device is not None:
+    return device.num_cores or 132
+  d = jax.devices()[0]
+  return d.core_count if d.platform == "gpu" else 132
 
 
 def check(qa: jax.Array, n: int, k: int) -> None:
@@ -107,8 +123,19 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   sw_cols = jnp.repeat(sw.T, BLOCK_K, axis=1)
   sw_cols = jnp.pad(sw_cols, ((0, 0), (0, max(0, nt * bn - sw_cols.shape[1]))))[:, :nt * bn]
 
-  def tile(a_gmem, sa_gmem, w_gmem, sw_gmem, o_gmem, o_smem):
-    mi, ni = lax.axis_index("m"), lax.axis_index("n")
+  mt = mp // BLOCK_M
+
+  def pipeline(step, context, mi, ni):
+    return plgpu.emit_pipeline_warp_specialized(
+        step, grid=(kb,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+        max_concurrent_steps=cfg.stages, compute_context=context,
+        in_specs=[plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda b: (mi, b), transforms=_TRANSFORMS),
+                  plgpu.BlockSpec((bn, BLOCK_K), lambda b: (ni, b), transforms=_TRANSFORMS),
+                  plgpu.BlockSpec((1, BLOCK_M), lambda b: (b, mi)),
+                  plgpu.BlockSpec((1, bn), lambda b: (b, ni))])
+
+  def tile(mi, ni, refs, o_smem, allocations=None):
+    a_gmem, sa_gmem, w_gmem, sw_gmem, o_gmem = refs
     wg = lax.axis_index("wg")
     rows = pl.ds(wg * WG_M, WG_M)
 
@@ -125,29 +152,40 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
 
     def context(run):
       acc = run(plgpu.layout_cast(jnp.zeros((WG_M, bn), jnp.float32), plgpu.Layout.WGMMA))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store read o_smem
       o_smem[wg] = acc.astype(out_dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(
           o_smem.at[wg], o_gmem.at[pl.ds(mi * BLOCK_M + wg * WG_M, WG_M), pl.ds(ni * bn, bn)])
-      plgpu.wait_smem_to_gmem(0)
 
-    plgpu.emit_pipeline_warp_specialized(
-        step, grid=(kb,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-        max_concurrent_steps=cfg.stages, compute_context=context,
-        in_specs=[plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda b: (mi, b), transforms=_TRANSFORMS),
-                  plgpu.BlockSpec((bn, BLOCK_K), lambda b: (ni, b), transforms=_TRANSFORMS),
-                  plgpu.BlockSpec((1, BLOCK_M), lambda b: (b, mi)),
-                  plgpu.BlockSpec((1, bn), lambda b: (b, ni))],
-    )(a_gmem, w_gmem, sa_gmem, sw_gmem)
+    pipeline(step, context, mi, ni)(a_gmem, w_gmem, sa_gmem, sw_gmem, allocations=allocations)
 
   def kernel(*refs):
     # Allocated by all three warpgroups together (a collective scope), used by the compute two.
-    pl.run_scoped(lambda o_smem: tile(*refs, o_smem), plgpu.SMEM((2, WG_M, bn), out_dtype),
-                  collective_axes="wg")
+    out_smem = plgpu.SMEM((2, WG_M, bn), out_dtype)
+    if not cfg.persistent:
+      pl.run_scoped(lambda o_smem: tile(lax.axis_index("m"), lax.axis_index("n"), refs, o_smem),
+                    out_smem, collective_axes="wg")
+    else:
+      # The pipeline's buffers outlive the tiles: the memory warpgroup starts copying the next
+      # tile's blocks while the compute warpgroups store the last one.
+      a_gmem, sa_gmem, w_gmem, sw_gmem, _ = refs
+      allocs = pipeline(None, None, 0, 0).get_allocations(a_gmem, w_gmem, sa_gmem, sw_gmem)
 
+      def scope(allocations, o_smem):
+        @plgpu.nd_loop((mt * nt,), collective_axes="c")
+        def _(info):  # tiles M fastest: the CTAs at work together share weight tiles in L2
+          (t,) = info.index
+          tile(t % mt, t // mt, refs, o_smem, allocations)
+
+      pl.run_scoped(scope, allocs, out_smem, collective_axes="wg")
+    plgpu.wait_smem_to_gmem(0)
+
+  grid, names = (((mt, nt), ("m", "n")) if not cfg.persistent
+                 else ((min(mt * nt, _num_sms()),), ("c",)))
   out = plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((mp, n), out_dtype), grid=(mp // BLOCK_M, nt),
-      grid_names=("m", "n"), num_threads=3, thread_name="wg",
+      kernel, out_type=jax.ShapeDtypeStruct((mp, n), out_dtype), grid=grid, grid_names=names,
+      num_threads=3, thread_name="wg",
       interpret=plgpu.InterpretGPUParams() if _target.interpret() else False,
   )(qa, sa_col, qw, sw_cols)
   return out[:m] if mp != m else out
