@@ -152,11 +152,14 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
 
     def context(run):
       acc = run(plgpu.layout_cast(jnp.zeros((WG_M, bn), jnp.float32), plgpu.Layout.WGMMA))
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store read o_smem
+      if cfg.persistent:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read o_smem
       o_smem[wg] = acc.astype(out_dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(
           o_smem.at[wg], o_gmem.at[pl.ds(mi * BLOCK_M + wg * WG_M, WG_M), pl.ds(ni * bn, bn)])
+      if not cfg.persistent:
+        plgpu.wait_smem_to_gmem(0)
 
     pipeline(step, context, mi, ni)(a_gmem, w_gmem, sa_gmem, sw_gmem, allocations=allocations)
 
@@ -178,8 +181,9 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
           (t,) = info.index
           tile(t % mt, t // mt, refs, o_smem, allocations)
 
+        plgpu.wait_smem_to_gmem(0)
+
       pl.run_scoped(scope, allocs, out_smem, collective_axes="wg")
-    plgpu.wait_smem_to_gmem(0)
 
   grid, names = (((mt, nt), ("m", "n")) if not cfg.persistent
                  else ((min(mt * nt, _num_sms()),), ("c",)))
