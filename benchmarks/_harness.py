@@ -43,10 +43,13 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
             kernels_per_call (per device); None where no GPU trace is available.
   chain=False skips the slope (None), and so the second compile: for sweeps of Pallas
   kernels, whose every call in the jit is a separate Triton compile.
-  steady=K adds steady_s and dispatch_s: the N-call jit launched K times back to back, then
-  synchronised, wall seconds per call (median of 7 rounds), as a server runs one step after
-  another: kernels, the gaps between them and any host time the queue does not hide; and the
-  host's seconds per call to enqueue them (when it nears steady_s, the host is the bound).
+  steady=K adds steady_s, enqueue_s and dispatch_s: the N-call jit launched K times back to
+  back, then synchronised, wall seconds per call (median of 7 rounds), as a server runs one
+  step after another: kernels, the gaps between them and any host time the queue does not
+  hide; the host's seconds per call to enqueue those K (enqueue_s: near steady_s when either
+  the host sets the pace or a full launch queue holds it back); and the host's seconds per
+  call to enqueue a burst of 2 onto an idle device (dispatch_s: the host's own cost, no queue
+  to wait on; the host is the bound when it nears steady_s).
   top_kernels: the twelve kernels taking the most time, {name: us per call}: the profile that
   explains a time. idle_us: per call and GPU, time between its first and last kernel with no
   stream busy; top_gaps: the eight largest sums of it, by the kernels either side. hlo=True
@@ -78,7 +81,14 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
       jax.block_until_ready(outs)
       per.append((time.perf_counter() - t0) / steady / n)
       enqueue.append((t1 - t0) / steady / n)
-    result.update(steady_s=statistics.median(per), dispatch_s=statistics.median(enqueue))
+    burst = []
+    for _ in range(7):
+      t0 = time.perf_counter()
+      outs = [f(sets[:n]) for _ in range(2)]
+      burst.append((time.perf_counter() - t0) / 2 / n)
+      jax.block_until_ready(outs)
+    result.update(steady_s=statistics.median(per), enqueue_s=statistics.median(enqueue),
+                  dispatch_s=statistics.median(burst))
   total_ns, count, gpus, by_name, idle_ns, gaps = 0.0, 0, 0, {}, 0.0, {}
   for plane in data.planes if data else ():
     if plane.name.startswith("/device:GPU"):

@@ -4,7 +4,9 @@ Time per step two ways (harness `measure`): device time, the profiler's kernel t
 step (`kernel_us`, the default `time_us`), and the steady state, 32 steps launched back to back
 and timed by the wall clock (`steady_us`; `time_us` with --wall), which adds the idle gaps
 between kernels (`idle_us`, `top_gaps`) and any host time the launch queue does not hide
-(`dispatch_us`: host time to enqueue a step). Kernels per step counted from the compiled HLO.
+(`dispatch_us`: host time to enqueue a step onto an idle device; `enqueue_us`: the same within
+the 32, where a full launch queue can hold the host back). Kernels per step counted from the
+compiled HLO.
 
 Floor = bytes a step must read, per device, / copy bandwidth. A step reads every weight once
 (`step_bytes`), except:
@@ -172,6 +174,7 @@ def main():
                          cache_bytes=cache_bytes,
                          steady_us=round(m["steady_s"] * 1e6, 2),
                          dispatch_us=round(m["dispatch_s"] * 1e6, 2),
+                         enqueue_us=round(m["enqueue_s"] * 1e6, 2),
                          kernel_us=m["kernel_s"] and round(m["kernel_s"] * 1e6, 2), kernels=counts,
                          top_kernels=m.get("top_kernels"), idle_us=m.get("idle_us"),
                          top_gaps=m.get("top_gaps")))
