@@ -53,7 +53,7 @@ def _patch():
 
 def _alone(name, args):
   """The recorded Triton call on fresh inputs of its shapes, against the reference."""
-  ks = iter(jax.random.split(jax.random.key(7), 8))
+  ks = iter(jax.random.split(jax.random.key(7), 9))
   rand = lambda x, dt: (jax.random.normal(next(ks), x.shape, jnp.float32) * 2).astype(dt)
   if name == "fp8_matmul":
     qa, sa, layout, qw, sw, cfg, out_dtype = args
@@ -71,6 +71,8 @@ def _alone(name, args):
     q3, w = rand(q3, E4M3FN), rand(w, E4M3FN)
     s3 = jax.random.uniform(next(ks), s3.shape, jnp.float32, 0.01, 0.1)
     ws = jax.random.uniform(next(ks), ws.shape, jnp.float32, 0.01, 0.1)
+    # The recorded arguments are the step's tracers: only their shapes are reused.
+    ids = None if ids is None else jax.random.randint(next(ks), ids.shape, 0, w.shape[0])
     got = jax.jit(lambda q3, s3, w, ws: triton.grouped_fp8_matmul(
         q3, s3, layout, w, ws, ids, cfg, out_dtype))(q3, s3, w, ws)
     b = got.shape[0]
