@@ -31,7 +31,7 @@ OPS = {"fp8_matmul": "jfusedq.ops.fp8_matmul.api",
        "rmsnorm_quant": "jfusedq.ops.rmsnorm_quant.api", "rmsnorm": "jfusedq.ops.rmsnorm.api",
        "group_quant": "jfusedq.ops.group_quant.api"}
 forced: set[str] = set()
-calls: dict[tuple, tuple] = {}
+calls: dict[str, tuple] = {}  # str(shapes and static args) -> (kernel, the call's args)
 
 
 def _patch():

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, PartitionSpec as P
 
 from helpers import FORMATS, TARGETS, TRITON, TRITON_CALL, activations, lower, rng
 from jfusedq import (QuantizedActivation, _target, default_format, fp8_matmul, group_quant,
@@ -357,7 +358,6 @@ def test_default_order_lowers(target, m, k, mosaic):
 def test_mosaic_gpu_lowers_in_shard_map():
   # A row-parallel projection as the models run it under TP: K split over two H200s, the
   # Mosaic GPU kernel (default at this M) inside shard_map, then the psum.
-  from jax.sharding import AbstractDevice, AbstractMesh, PartitionSpec as P
   S = jax.ShapeDtypeStruct
   fp8 = jnp.float8_e4m3fn
   mesh = AbstractMesh((2,), ("tp",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))

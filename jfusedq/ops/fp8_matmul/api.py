@@ -79,7 +79,7 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
 
   backends = {"pallas": tiled(pallas, pallas.heuristics),
               "triton": tiled(triton, triton.heuristics),
-              "mosaic_gpu": tiled(mosaic_gpu, lambda m, n, k: mosaic_gpu.heuristics(m, n)),
+              "mosaic_gpu": tiled(mosaic_gpu, mosaic_gpu.heuristics),
               "xla": xla}
   return dispatch("fp8_matmul", backends, implementation,
                   gpu_order=gpu_order(math.prod(qa.q.shape[:-1]), k))

@@ -73,9 +73,9 @@ class Config:
       raise ValueError(f"Config.stages must be a positive int, got {self.stages!r}")
 
 
-def heuristics(m: int, n: int) -> Config:
+def heuristics(m: int, n: int, k: int) -> Config:
   """The widest tile that divides N (fewer weight tiles re-read per activation tile)."""
-  del m
+  del m, k
   return Config(next(bn for bn in (192, 128, 64) if n % bn == 0))
 
 
@@ -110,7 +110,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   m, k = qa.shape
   n = qw.shape[0]
   check(qa, n, k)
-  cfg = config or heuristics(m, n)
+  cfg = config or heuristics(m, n, k)
   bn, kb = cfg.block_n, k // BLOCK_K
   mp = -(-m // BLOCK_M) * BLOCK_M
   nt = -(-n // bn)
