@@ -52,8 +52,11 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
   to wait on; the host is the bound when it nears steady_s).
   top_kernels: the twelve kernels taking the most time, {name: us per call}: the profile that
   explains a time. idle_us: per call and GPU, time between its first and last kernel with no
-  stream busy; top_gaps: the eight largest sums of it, by the kernels either side. hlo=True
-  adds the compiled N-call program's text (no extra compile).
+  stream busy; top_gaps: the eight largest sums of it, by the kernels either side.
+  top_host: the fifteen host events (runtime and driver calls, XLA thunks; Python frames left
+  out) taking the most time in the traced call, {name: [us, count] per call}: where the host's
+  time to launch a call goes. Nested events each count, so the figures overlap. hlo=True adds
+  the compiled N-call program's text (no extra compile).
   """
   sets = make_inputs(2 * n if chain else n)
   f = jax.jit(lambda sets: [op(*s) for s in sets])
@@ -89,8 +92,14 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
       jax.block_until_ready(outs)
     result.update(steady_s=statistics.median(per), enqueue_s=statistics.median(enqueue),
                   dispatch_s=statistics.median(burst))
-  total_ns, count, gpus, by_name, idle_ns, gaps = 0.0, 0, 0, {}, 0.0, {}
+  total_ns, count, gpus, by_name, idle_ns, gaps, host = 0.0, 0, 0, {}, 0.0, {}, {}
   for plane in data.planes if data else ():
+    if plane.name.startswith("/host:"):
+      for line in plane.lines:
+        for ev in line.events:
+          if not ev.name.startswith("$"):  # a Python frame
+            us, calls = host.get(ev.name[:80], (0.0, 0))
+            host[ev.name[:80]] = (us + ev.duration_ns * 1e-3, calls + 1)
     if plane.name.startswith("/device:GPU"):
       spans = []
       for line in plane.lines:
@@ -112,6 +121,9 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
                   idle_us=round(idle_ns * 1e-3 / n / gpus, 3),
                   top_gaps={k: round(v * 1e-3 / n / gpus, 3)
                             for k, v in sorted(gaps.items(), key=lambda kv: -kv[1])[:8]})
+  if host:
+    result["top_host"] = {k: [round(us / n, 3), round(calls / n, 2)]
+                          for k, (us, calls) in sorted(host.items(), key=lambda kv: -kv[1][0])[:15]}
   return result
 
 

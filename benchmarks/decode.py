@@ -28,8 +28,13 @@ numerics being in tests/. The fused-vs-unfused distance is reported but does not
 paths differ by design (one bf16 rounding of the norm; 0.07-0.47 measured on the H200).
 --no-xla-check skips the reference (then `correct` is finiteness only).
 
+--impls builds the kernel paths more than one way, each timed against its own unfused path:
+`default` (each op's own best order), or one backend for every op that has it, XLA for the
+rest (`pallas`: kernels XLA compiles from Pallas-Triton; `triton`: jax-triton's custom call).
+
 Run: python benchmarks/decode.py [--presets deepseek-v3-layers ...] [--batches 1 8 32 64]
-     [--tp N] [--context 256] [--wall] [--no-xla-check] [--out DIR] [--commit SHA] [--smoke]
+     [--tp N] [--context 256] [--wall] [--no-xla-check] [--impls default pallas triton]
+     [--tag TAG] [--out DIR] [--commit SHA] [--smoke]
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ from models import run as runner  # noqa: E402
 # B = 1 / 8 / 32, two token draws, both paths): 0.0 to 0.185 relative RMS, the presets'
 # amplification of summation-order differences. A wrong scale or tile gives O(1).
 XLA_TOL = 0.3
+
+IMPLS = {"default": None, "pallas": ("pallas", "xla"), "triton": ("triton", "xla")}
 
 
 def _device_bytes(tree) -> int:
@@ -99,90 +106,102 @@ def main():
                        "peer inside XLA's all-reduce kernels, which varies run to run")
   ap.add_argument("--xla-check", action=argparse.BooleanOptionalAction, default=True,
                   help="check each path against itself on XLA (module docstring)")
+  ap.add_argument("--impls", nargs="+", choices=sorted(IMPLS), default=["default"],
+                  help="kernel backends the paths are built on (module docstring)")
+  ap.add_argument("--tag", default="", help="results file decode_<tag>.json")
   args = ap.parse_args()
   presets = [p.replace("-layers", "-tiny") for p in args.presets] if args.smoke else args.presets
   bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
   print(f"measured copy bandwidth {bw:.2f} TB/s; floor = weight bytes / copy bandwidth")
   rows = []
-  print(f"{'preset':>20} {'B':>3} {'path':>8} {'step us':>9} {'steady us':>9} {'kernels':>7} "
-        f"{'vs unfused':>10} {'roof':>5} ok")
+  print(f"{'preset':>20} {'impl':>7} {'B':>3} {'path':>8} {'step us':>9} {'steady us':>9} "
+        f"{'host us':>8} {'kernels':>7} {'vs unfused':>10} {'roof':>5} ok")
   for preset in presets:
     if preset not in runner.PRESETS:
       print(f"{preset}: not a preset here, skipped")
       continue
-    built = runner.build(preset, tp=args.tp)
 
     def paths(b: runner.Built) -> dict:
       """{fused: (model, forward, params)}, once per preset: the unfused model is a rebuild."""
       models = {f: b.model if f else b.make(False) for f in (False, True)}
       return {f: (m, *runner.forward_fn(b, m, args.tp)) for f, m in models.items()}
 
-    kernel_paths = paths(built)
     ref_paths = paths(runner.build(preset, tp=args.tp, implementation="xla")) \
         if args.xla_check else None
-    for b in args.batches:
-      weight_bytes = step_bytes(built.model, b)
-      times, logits = {}, {}
-      for fused in (False, True):
-        model, forward, params = kernel_paths[fused]
-        vocab = model.cfg.vocab_size
-        tok0 = jax.random.randint(jax.random.key(b), (b, 1), 0, vocab, jnp.int32)
-        logits[fused], new_cache = forward(params, tok0, model.init_cache(b, args.context + 1),
-                                           jnp.int32(args.context))
+    for impl in args.impls:
+      built = runner.build(preset, tp=args.tp, implementation=IMPLS[impl])
+      kernel_paths = paths(built)
+      for b in args.batches:
+        run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, bw, rows)
+      del built, kernel_paths  # the next build's weights need the memory
+    _harness.write_results(f"decode_{args.tag}" if args.tag else "decode", rows,
+                           {"copy_tbps": round(bw, 3)}, args.commit, args.out)
 
-        # Weights and cache are arguments of the timed jit: closed over, they would be
-        # compiled in as constants. The cache and tokens are placed as a serving loop has
-        # them, the cache as the step returns it: a fresh one, on one device, made every
-        # step of --tp copy each shard to its device first (MemcpyP2P, and the host waiting
-        # for its peer at every copy: 3 ms a step in decode_tp2_steady.json).
-        where = logits[fused].sharding  # replicated over the mesh under --tp
-        where = (NamedSharding(where.mesh, P()) if isinstance(where, NamedSharding) else where)
 
-        def make(n, b=b, params=params, cache=new_cache, where=where):
-          keys = jax.random.split(jax.random.key(b), n)
-          return [(params, cache,
-                   jax.device_put(jax.random.randint(k, (b, 1), 0, vocab, jnp.int32), where))
-                  for k in keys]
+def run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, bw, rows):
+  """Both paths of one preset, backend choice and batch: times and checks, into `rows`."""
+  weight_bytes = step_bytes(built.model, b)
+  times, logits = {}, {}
+  for fused in (False, True):
+    model, forward, params = kernel_paths[fused]
+    vocab = model.cfg.vocab_size
+    tok0 = jax.random.randint(jax.random.key(b), (b, 1), 0, vocab, jnp.int32)
+    logits[fused], new_cache = forward(params, tok0, model.init_cache(b, args.context + 1),
+                                       jnp.int32(args.context))
 
-        step = lambda params, cache, tok, forward=forward: forward(
-            params, tok, cache, jnp.int32(args.context))[0]
-        cache_bytes = _device_bytes(new_cache)
-        xla_diff = None
-        if ref_paths is not None:
-          ref_model, ref_forward, ref_params = ref_paths[fused]
-          want = ref_forward(ref_params, tok0, ref_model.init_cache(b, args.context + 1),
-                             jnp.int32(args.context))[0]
-          xla_diff = rel_rms(logits[fused], want)
-        read = weight_bytes + cache_bytes if args.tp == 1 else None
-        # One step per timed jit, one compile (the counts read the same program): a step is a
-        # whole model, and its compile dominates the run.
-        m = _harness.measure(step, make, 1, chain=False, hlo=True, steady=32)
-        counts = kernel_counts(m["hlo"])
-        sec = (not args.wall and m["kernel_s"]) or m["steady_s"]
-        times[fused] = sec
-        path = "fused" if fused else "unfused"
-        diff = rel_rms(logits[fused], logits[False])
-        finite = bool(jnp.all(jnp.isfinite(logits[fused])))
-        ok = finite and (xla_diff is None or xla_diff <= XLA_TOL)
-        rows.append(dict(case=dict(preset=preset, batch=b, tp=args.tp, context=args.context),
-                         impl=path, time_us=round(sec * 1e6, 2),
-                         tbps=read and round(read / sec / 1e12, 3), tflops=None,
-                         roofline_frac=read and round(read / (bw * 1e12) / sec, 3),
-                         vs_xla=round(times[False] / sec, 4), correct=ok,
-                         logits_rel_rms_vs_xla=xla_diff and round(xla_diff, 6),
-                         logits_rel_rms_vs_unfused=round(diff, 5), weight_bytes=weight_bytes,
-                         cache_bytes=cache_bytes,
-                         steady_us=round(m["steady_s"] * 1e6, 2),
-                         dispatch_us=round(m["dispatch_s"] * 1e6, 2),
-                         enqueue_us=round(m["enqueue_s"] * 1e6, 2),
-                         kernel_us=m["kernel_s"] and round(m["kernel_s"] * 1e6, 2), kernels=counts,
-                         top_kernels=m.get("top_kernels"), idle_us=m.get("idle_us"),
-                         top_gaps=m.get("top_gaps")))
-        print(f"{preset:>20} {b:>3} {path:>8} {sec * 1e6:9.1f} {m['steady_s'] * 1e6:9.1f} "
-              f"{counts['total']:7d} {times[False] / sec:10.3f} "
-              f"{'-' if read is None else format(rows[-1]['roofline_frac'], '5.2f'):>5} "
-              f"{'yes' if rows[-1]['correct'] else 'NO'}", flush=True)
-      _harness.write_results("decode", rows, {"copy_tbps": round(bw, 3)}, args.commit, args.out)
+    # Weights and cache are arguments of the timed jit: closed over, they would be
+    # compiled in as constants. The cache and tokens are placed as a serving loop has
+    # them, the cache as the step returns it: a fresh one, on one device, made every
+    # step of --tp copy each shard to its device first (MemcpyP2P, and the host waiting
+    # for its peer at every copy: 3 ms a step in decode_tp2_steady.json).
+    where = logits[fused].sharding  # replicated over the mesh under --tp
+    where = (NamedSharding(where.mesh, P()) if isinstance(where, NamedSharding) else where)
+
+    def make(n, b=b, params=params, cache=new_cache, where=where):
+      keys = jax.random.split(jax.random.key(b), n)
+      return [(params, cache,
+               jax.device_put(jax.random.randint(k, (b, 1), 0, vocab, jnp.int32), where))
+              for k in keys]
+
+    step = lambda params, cache, tok, forward=forward: forward(
+        params, tok, cache, jnp.int32(args.context))[0]
+    cache_bytes = _device_bytes(new_cache)
+    xla_diff = None
+    if ref_paths is not None:
+      ref_model, ref_forward, ref_params = ref_paths[fused]
+      want = ref_forward(ref_params, tok0, ref_model.init_cache(b, args.context + 1),
+                         jnp.int32(args.context))[0]
+      xla_diff = rel_rms(logits[fused], want)
+    read = weight_bytes + cache_bytes if args.tp == 1 else None
+    # One step per timed jit, one compile (the counts read the same program): a step is a
+    # whole model, and its compile dominates the run.
+    m = _harness.measure(step, make, 1, chain=False, hlo=True, steady=32)
+    counts = kernel_counts(m["hlo"])
+    sec = (not args.wall and m["kernel_s"]) or m["steady_s"]
+    times[fused] = sec
+    path = "fused" if fused else "unfused"
+    diff = rel_rms(logits[fused], logits[False])
+    finite = bool(jnp.all(jnp.isfinite(logits[fused])))
+    ok = finite and (xla_diff is None or xla_diff <= XLA_TOL)
+    rows.append(dict(case=dict(preset=preset, batch=b, tp=args.tp, context=args.context,
+                                implementation=impl),
+                     impl=path, time_us=round(sec * 1e6, 2),
+                     tbps=read and round(read / sec / 1e12, 3), tflops=None,
+                     roofline_frac=read and round(read / (bw * 1e12) / sec, 3),
+                     vs_xla=round(times[False] / sec, 4), correct=ok,
+                     logits_rel_rms_vs_xla=xla_diff and round(xla_diff, 6),
+                     logits_rel_rms_vs_unfused=round(diff, 5), weight_bytes=weight_bytes,
+                     cache_bytes=cache_bytes,
+                     steady_us=round(m["steady_s"] * 1e6, 2),
+                     dispatch_us=round(m["dispatch_s"] * 1e6, 2),
+                     enqueue_us=round(m["enqueue_s"] * 1e6, 2),
+                     kernel_us=m["kernel_s"] and round(m["kernel_s"] * 1e6, 2), kernels=counts,
+                     top_kernels=m.get("top_kernels"), idle_us=m.get("idle_us"),
+                     top_gaps=m.get("top_gaps"), top_host=m.get("top_host")))
+    print(f"{preset:>20} {impl:>7} {b:>3} {path:>8} {sec * 1e6:9.1f} {m['steady_s'] * 1e6:9.1f} "
+          f"{m['dispatch_s'] * 1e6:8.1f} {counts['total']:7d} {times[False] / sec:10.3f} "
+          f"{'-' if read is None else format(rows[-1]['roofline_frac'], '5.2f'):>5} "
+          f"{'yes' if rows[-1]['correct'] else 'NO'}", flush=True)
 
 
 if __name__ == "__main__":
