@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,7 +51,7 @@ from jfusedq.ops._dispatch import Unsupported
 from jfusedq.ops.group_quant import group_quant
 from jfusedq.ops.rmsnorm import rmsnorm
 from jfusedq.ops.rmsnorm_quant import rmsnorm_quant
-from jfusedq.ops.rmsnorm_quant.api import GPU_ORDER as RMSNORM_QUANT_ORDER
+from jfusedq.ops.rmsnorm_quant.api import gpu_order as rmsnorm_quant_order
 
 log = logging.getLogger("jfusedq")
 
@@ -135,8 +136,8 @@ def _op_impl(implementation, gpu_order: Sequence[str] = _dispatch.GPU_ORDER):
 
 
 def _fused(h, residual, weight, *, keep_bf16, implementation, **kw):
-  out = rmsnorm_quant(h, weight, residual=residual, keep_hp=keep_bf16,
-                      implementation=_op_impl(implementation, RMSNORM_QUANT_ORDER), **kw)
+  impl = _op_impl(implementation, rmsnorm_quant_order(math.prod(h.shape[:-1])))
+  out = rmsnorm_quant(h, weight, residual=residual, keep_hp=keep_bf16, implementation=impl, **kw)
   return out.quant, out.residual
 
 

@@ -11,6 +11,7 @@ from helpers import (FORMATS, TRITON, activations, assert_outputs_close, assert_
                      oracle_quant, oracle_rmsnorm, rng, weights)
 from jfusedq import Fp8Format, QuantizedActivation, Unsupported, group_quant, rmsnorm_quant
 from jfusedq.ops.group_quant import Config
+from jfusedq.ops.rmsnorm_quant import api as rq_api
 from jfusedq.ops.group_quant import pallas as gq_pallas
 
 IMPLS = ("xla", "pallas", TRITON)
@@ -229,3 +230,11 @@ def test_errors():
     rmsnorm_quant(x, w, implementation="pallas", config=Config(8, 4))
   with pytest.raises(ValueError, match="fp8_max"):
     Fp8Format.e4m3fnuz(fp8_max=448.0)
+
+
+@pytest.mark.parametrize("rows,first", [(1, "pallas"), (64, "pallas"), (65, "triton"),
+                                        (16384, "triton")])
+def test_gpu_order(rows, first):
+  # Decode sizes run the Pallas kernel, which XLA keeps in the step's CUDA graph (the two
+  # kernels within a microsecond there); larger T the faster jax-triton one.
+  assert rq_api.gpu_order(rows)[0] == first

@@ -17,7 +17,7 @@ from jfusedq.ops.group_quant import group_quant
 
 BLOCK = reference.BLOCK
 # Measured on the H200 (benchmarks/results/fp8_matmul_*.json): the jax-triton kernel ran
-# 1.05-1.8x the Pallas one at M <= 64 and 2.0-2.3x at M = 4096, where the Pallas-Triton
+# 1.16-1.75x the Pallas one at M = 64 and 2.0-2.3x at M = 4096, where the Pallas-Triton
 # lowering feeds fp8 to f16 mma.sync instead of fp8 wgmma. Without jax-triton it declines and
 # Pallas runs.
 GPU_ORDER = ("triton", "pallas", "xla")
@@ -27,10 +27,18 @@ GPU_ORDER = ("triton", "pallas", "xla")
 # was not measured for this version. So it goes first there, where it was measured to win; it
 # declines off Hopper and for shapes it cannot tile, and the order goes on.
 MOSAIC_MIN_M, MOSAIC_MAX_K = 4096, 7168
+# At M <= 16 the Pallas kernel ran within 5% of the jax-triton one (fp8_matmul_decode.json:
+# 7.8 / 7.5 us at M = 1, N, K = 2112, 7168; 34.3 / 33.6 at M = 16, 7168, 16384), and XLA
+# captures it in the step's CUDA graph, where each jax-triton call is launched by the host on
+# its own and splits the graph (rmsnorm_quant/api.py, decode_impls.json). Grouped (MoE)
+# products keep Triton first: Pallas runs them one by one on a gathered copy of the experts.
+PALLAS_MAX_M = 16
 
 
 def gpu_order(m: int, k: int) -> tuple[str, ...]:
   """The GPU backends for an `[M, K]` activation, best first (measured, above)."""
+  if m <= PALLAS_MAX_M:
+    return ("pallas", "triton", "xla")
   return ("mosaic_gpu", *GPU_ORDER) if m >= MOSAIC_MIN_M and k <= MOSAIC_MAX_K else GPU_ORDER
 
 
