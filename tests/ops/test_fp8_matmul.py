@@ -264,14 +264,16 @@ def test_lowers(target, layout, config):
 
 # Mosaic GPU (Hopper wgmma) kernel: run by the GPU interpreter on CPU, lowered for the H200.
 # Outside the shared parametrisation: it takes K % 128 == 0 and N % 64 == 0 only.
-# Every tile width the heuristic picks (192, 128, 64), a ragged last tile (N = 320 in tiles of
-# 128: the weight's rows past N arrive as zeros, the store clips), padded M, both layouts.
+# Every tile width the heuristic picks (192, 128, 64), persistent (K <= 2048) or not, a ragged
+# last tile (N = 320 in tiles of 128: the weight's rows past N arrive as zeros, the store
+# clips), padded M, both layouts.
 @pytest.mark.parametrize("m_shape,n,k,layout,config", [
     ((1,), 128, 256, "row", None),  # decode row, padded to a 128-row tile
     ((100,), 192, 384, "col", None),
     ((2, 65), 320, 256, "row", MosaicConfig(128, stages=2)),
     ((64,), 192, 512, "col", MosaicConfig(64, stages=1)),
     ((130,), 64, 256, "row", None),
+    ((3,), 64, 2176, "col", None),  # K past 2048: one tile a CTA
 ], ids=str)
 def test_mosaic_gpu(m_shape, n, k, layout, config):
   x, qw, sw = problem(("mosaic", m_shape, n, k), m_shape, n, k)
