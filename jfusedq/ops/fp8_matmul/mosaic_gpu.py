@@ -29,10 +29,10 @@ slower than this kernel: moving the store into the step cost more than the refil
 (persistent was 2-12% faster than per-tile CTAs with the store in the step alike).
 `Config(persistent=True)` is the schedule with the store kept out of the step: one CTA per SM
 loops over its tiles, each a pipeline over K, the pipeline's buffers allocated once so the
-memory warpgroup runs ahead into the next tile. Measured (fp8_matmul_sweep_mosaic_gpu.json,
-d3ca69c): 349.4 against 387.6 us at (24576, 1536), where a tile's 12 K blocks make the pipeline's
-fill and drain between tiles a large share, and 142.5 against 138.7 at (2112, 7168) (56 K
-blocks): the default for K <= 2048.
+memory warpgroup runs ahead into the next tile. Measured (M = 4096,
+fp8_matmul_sweep_mosaic_gpu_persistent.json): 349.4 against 387.6 us at (24576, 1536), where a
+tile's 12 K blocks make the pipeline's fill and drain between tiles a large share, and 142.5
+against 138.7 at (2112, 7168) (56 K blocks): the default for K <= 2048.
 """
 
 from __future__ import annotations
