@@ -21,12 +21,13 @@ BLOCK = reference.BLOCK
 # lowering feeds fp8 to f16 mma.sync instead of fp8 wgmma. Without jax-triton it declines and
 # Pallas runs.
 GPU_ORDER = ("triton", "pallas", "xla")
-# At M = 4096 on the H200 (results/fp8_matmul_mosaic.json, one run) the warp-specialised Mosaic
-# GPU kernel ran 1.11x / 0.95x / 1.10x XLA's bf16 dot at K = 7168 / 1536 / 4096, where Triton
-# ran 0.90x / 0.90x / 1.05x; at K = 16384 Triton was ahead (1.16x against 1.06x), and K = 8192
-# was not measured for this version. So it goes first there, where it was measured to win; it
-# declines off Hopper and for shapes it cannot tile, and the order goes on.
-MOSAIC_MIN_M, MOSAIC_MAX_K = 4096, 7168
+# At M = 4096 on the H200 (results/fp8_matmul_m4096_persistent.json, one run) the warp-
+# specialised Mosaic GPU kernel ran 1.10x / 1.07x / 1.09x / 1.08x XLA's bf16 dot at (N, K) =
+# (2112, 7168) / (24576, 1536) / (12288, 4096) / (4096, 8192), where Triton ran 0.89x / 0.88x /
+# 1.01x / 1.06x; at K = 16384 Triton was ahead (1.16x against 1.06x, fp8_matmul_mosaic.json).
+# So it goes first there, where it was measured to win; it declines off Hopper and for shapes
+# it cannot tile, and the order goes on. M = 256-2048 has not been measured for it.
+MOSAIC_MIN_M, MOSAIC_MAX_K = 4096, 8192
 # At M <= 16 the Pallas kernel ran within 5% of the jax-triton one (fp8_matmul_decode.json:
 # 7.8 / 7.5 us at M = 1, N, K = 2112, 7168; 34.3 / 33.6 at M = 16, 7168, 16384), and XLA
 # captures it in the step's CUDA graph, where each jax-triton call is launched by the host on
