@@ -32,7 +32,8 @@ MOSAIC_MIN_M, MOSAIC_MAX_K = 4096, 8192
 # 7.8 / 7.5 us at M = 1, N, K = 2112, 7168; 34.3 / 33.6 at M = 16, 7168, 16384), and XLA
 # captures it in the step's CUDA graph, where each jax-triton call is launched by the host on
 # its own and splits the graph (rmsnorm_quant/api.py, decode_impls.json). Grouped (MoE)
-# products keep Triton first: Pallas runs them one by one on a gathered copy of the experts.
+# products keep Triton first: the Pallas grouped kernel reads the experts in place too, but has
+# not been timed against it.
 PALLAS_MAX_M = 16
 
 
@@ -101,9 +102,9 @@ def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
                        config: pallas.Config | None = None) -> jax.Array:
   """B block-scaled products in one call, for MoE experts: `out[b] = a[b // (B/G)] @ W[ids[b]]^T`.
 
-  Steps: as `fp8_matmul`, for every product b. The Triton kernel runs all B in one launch and
-  reads each expert's weight in place; the other backends gather `weight[ids]` (a copy) and
-  map `fp8_matmul` over the products.
+  Steps: as `fp8_matmul`, for every product b. The Triton and Pallas kernels run all B in one
+  launch and read each expert's weight in place; Mosaic GPU and XLA gather `weight[ids]` (a
+  copy) and map `fp8_matmul` over the products.
 
   Args:
     a: `[G, ..., K]` array or QuantizedActivation (row or col scales; `hp` is not used).
@@ -143,14 +144,17 @@ def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
       return per_group(q3, s3, split(w), split(ws)).reshape(b, m, n)
     return run
 
-  def triton_run():
-    if m == 0:
-      return per_product("xla")()
-    _check_kernel(weight, config, triton)
-    cfg = config or triton.heuristics(m, n, k, batch=b)
-    return triton.grouped_fp8_matmul(q3, s3, "row", weight, weight_scale, ids, cfg, out_dtype)
+  def in_place(kernels):
+    def run():
+      if m == 0:
+        return per_product("xla")()
+      _check_kernel(weight, config, kernels)
+      cfg = config or kernels.heuristics(m, n, k, batch=b)
+      return kernels.grouped_fp8_matmul(q3, s3, "row", weight, weight_scale, ids, cfg,
+                                        out_dtype)
+    return run
 
-  backends = {"triton": triton_run, "pallas": per_product("pallas"),
+  backends = {"triton": in_place(triton), "pallas": in_place(pallas),
               "mosaic_gpu": per_product("mosaic_gpu"), "xla": per_product("xla")}
   out = dispatch("grouped_fp8_matmul", backends, implementation, gpu_order=GPU_ORDER)
   return out.reshape(b, *lead, n)

@@ -89,11 +89,27 @@ def heuristics(m: int, n: int, k: int, device_kind: str | None = None, batch: in
 def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: jax.Array,
                config: Config, out_dtype) -> jax.Array:
   """qa [M, K] fp8, sa [M, KB] ("row") or [KB, M] ("col"), qw [N, K], sw [NB, KB] -> [M, N]."""
-  m, k = qa.shape
-  n = qw.shape[0]
+  return grouped_fp8_matmul(qa[None], sa[None], a_layout, qw[None], sw[None], None, config,
+                            out_dtype)[0]
+
+
+def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array,
+                       sw: jax.Array, ids: jax.Array | None, config: Config,
+                       out_dtype) -> jax.Array:
+  """out[b] = qa[b // (B / G)] . qw[ids[b]]^T with block scales -> [B, M, N].
+
+  qa [G, M, K] fp8, sa [G, M, KB] ("row") or [G, KB, M] ("col"), qw [E, N, K],
+  sw [E, NB, KB], ids [B] int32 (None: B = E, ids = 0..E-1); G divides B. Product b is the
+  third grid axis (with the K splits): its program reads expert ids[b] of the stacked weight in
+  place, by offset, as the Triton kernel does; no expert is gathered into a copy first.
+  """
+  g, m, k = qa.shape
+  e, n, _ = qw.shape
+  b = e if ids is None else ids.shape[0]
   kb = -(-k // BLOCK_K)
   bm, bn, splits = config.block_m, config.block_n, config.k_splits
   per_split = -(-kb // splits)
+  per_group = b // g
   fp8 = qa.dtype
   # e4m3fnuz operands travel as their bits: a masked load then fills with integer 0 (+0), where
   # a float fill needs a cast to fnuz that the Triton lowering lacks. e4m3fn loads as itself,
@@ -102,8 +118,12 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   to_bits = (lambda t: lax.bitcast_convert_type(t, jnp.uint8)) if as_bits else (lambda t: t)
   fill = 0 if as_bits else 0.0
 
-  def kernel(a_ref, sa_ref, w_ref, sw_ref, o_ref):
-    pid_m, pid_n, pid_k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  def kernel(ids_ref, a_ref, sa_ref, w_ref, sw_ref, o_ref):
+    pid_m, pid_n, pid_kb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # One product (the dense call) needs no index arithmetic: its zero offsets fold away.
+    pid_k, pid_b = (pid_kb, jnp.int32(0)) if b == 1 else (pid_kb % splits, pid_kb // splits)
+    expert = pid_b if ids_ref is None else ids_ref[pid_b]
+    group = pid_b if per_group == 1 else pid_b // per_group
     m0, n0 = pid_m * bm, pid_n * bn
     rows = m0 + lax.broadcasted_iota(jnp.int32, (bm,), 0)
     cols = n0 + lax.broadcasted_iota(jnp.int32, (bn,), 0)
@@ -111,39 +131,44 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
     first = pid_k * per_split
     last = jnp.minimum(first + per_split, kb)
 
-    def step(b, acc):
-      k0 = b * BLOCK_K
+    def step(kblock, acc):
+      k0 = kblock * BLOCK_K
       k_ok = (k0 + lax.broadcasted_iota(jnp.int32, (BLOCK_K,), 0)) < k
-      a = plgpu.load(a_ref.at[pl.ds(m0, bm), pl.ds(k0, BLOCK_K)],
+      a = plgpu.load(a_ref.at[group, pl.ds(m0, bm), pl.ds(k0, BLOCK_K)],
                      mask=row_ok[:, None] & k_ok[None, :], other=fill)
-      w = plgpu.load(w_ref.at[pl.ds(n0, bn), pl.ds(k0, BLOCK_K)],
+      w = plgpu.load(w_ref.at[expert, pl.ds(n0, bn), pl.ds(k0, BLOCK_K)],
                      mask=col_ok[:, None] & k_ok[None, :], other=fill)
       if as_bits:
         a, w = lax.bitcast_convert_type(a, fp8), lax.bitcast_convert_type(w, fp8)
-      s_a = plgpu.load(sa_ref.at[pl.ds(m0, bm), b] if a_layout == "row"
-                       else sa_ref.at[b, pl.ds(m0, bm)], mask=row_ok, other=0.0)
-      s_w = sw_ref[n0 // BLOCK_K, b]
+      s_a = plgpu.load(sa_ref.at[group, pl.ds(m0, bm), kblock] if a_layout == "row"
+                       else sa_ref.at[group, kblock, pl.ds(m0, bm)], mask=row_ok, other=0.0)
+      s_w = sw_ref[expert, n0 // BLOCK_K, kblock]
       # fp8 x fp8 -> f32 on the tensor cores, contracting both operands' K (w is [N, K]).
       d = lax.dot_general(a, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
       return acc + d * (s_a[:, None] * s_w)
 
     acc = lax.fori_loop(first, last, step, jnp.zeros((bm, bn), jnp.float32))
-    out = o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)] if splits == 1 else o_ref.at[
-        pid_k, pl.ds(m0, bm), pl.ds(n0, bn)]
+    out = (o_ref.at[pid_b, pl.ds(m0, bm), pl.ds(n0, bn)] if splits == 1
+           else o_ref.at[pid_k, pid_b, pl.ds(m0, bm), pl.ds(n0, bn)])
     plgpu.store(out, acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
-  out_shape = (jax.ShapeDtypeStruct((m, n), out_dtype) if splits == 1
-               else jax.ShapeDtypeStruct((splits, m, n), jnp.float32))
+  out_shape = (jax.ShapeDtypeStruct((b, m, n), out_dtype) if splits == 1
+               else jax.ShapeDtypeStruct((splits, b, m, n), jnp.float32))
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  operands = [to_bits(qa), sa, to_bits(qw), sw]
+  if ids is None:
+    body = lambda *refs: kernel(None, *refs)
+  else:
+    body, operands = kernel, [ids.astype(jnp.int32), *operands]
   out = pl.pallas_call(
-      kernel,
-      grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), splits),
-      in_specs=[any_spec] * 4,
+      body,
+      grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), splits * b),
+      in_specs=[any_spec] * len(operands),
       out_specs=any_spec,
       out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                            num_stages=config.num_stages),
       interpret=_target.interpret(),
       name="fp8_matmul",
-  )(to_bits(qa), sa, to_bits(qw), sw)
+  )(*operands)
   return out if splits == 1 else out.sum(axis=0).astype(out_dtype)
