@@ -86,13 +86,6 @@ def heuristics(m: int, n: int, k: int, device_kind: str | None = None, batch: in
   return Config(64, 128, 1, num_warps=4, num_stages=4)
 
 
-def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: jax.Array,
-               config: Config, out_dtype) -> jax.Array:
-  """qa [M, K] fp8, sa [M, KB] ("row") or [KB, M] ("col"), qw [N, K], sw [NB, KB] -> [M, N]."""
-  return grouped_fp8_matmul(qa[None], sa[None], a_layout, qw[None], sw[None], None, config,
-                            out_dtype)[0]
-
-
 def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array,
                        sw: jax.Array, ids: jax.Array | None, config: Config,
                        out_dtype) -> jax.Array:
@@ -172,3 +165,16 @@ def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Arra
       name="fp8_matmul",
   )(*operands)
   return out if splits == 1 else out.sum(axis=0).astype(out_dtype)
+
+
+def dense(grouped):
+  """The one-product case of a grouped kernel: qa [M, K] fp8, sa [M, KB] ("row") or [KB, M]
+  ("col"), qw [N, K], sw [NB, KB] -> [M, N]."""
+  def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: jax.Array,
+                 config: Config, out_dtype) -> jax.Array:
+    return grouped(qa[None], sa[None], a_layout, qw[None], sw[None], None, config,
+                   out_dtype)[0]
+  return fp8_matmul
+
+
+fp8_matmul = dense(grouped_fp8_matmul)

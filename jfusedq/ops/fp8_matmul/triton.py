@@ -112,21 +112,10 @@ def heuristics(m: int, n: int, k: int, device_kind: str | None = None, batch: in
   return pallas.heuristics(m, n, k, device_kind, batch)
 
 
-def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: jax.Array,
-               config: Config, out_dtype) -> jax.Array:
-  """qa [M, K] fp8, sa [M, KB] ("row") or [KB, M] ("col"), qw [N, K], sw [NB, KB] -> [M, N]."""
-  return grouped_fp8_matmul(qa[None], sa[None], a_layout, qw[None], sw[None], None, config,
-                            out_dtype)[0]
-
-
 def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array,
                        sw: jax.Array, ids: jax.Array | None, config: Config,
                        out_dtype) -> jax.Array:
-  """out[b] = qa[b // (B / G)] . qw[ids[b]]^T with block scales -> [B, M, N].
-
-  qa [G, M, K] fp8, sa [G, M, KB] ("row") or [G, KB, M] ("col"), qw [E, N, K],
-  sw [E, NB, KB], ids [B] int32 (None: B = E, ids = 0..E-1); G divides B.
-  """
+  """`pallas.grouped_fp8_matmul`'s products and shapes, in one launch of the kernel above."""
   _triton.require()  # e4m3fnuz on CUDA is declined by the api, for both kernels
   g, m, k = qa.shape
   e, n, _ = qw.shape
@@ -145,3 +134,6 @@ def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Arra
       # the weight's rows fill M and the tokens sit in N (8 to 256 allowed).
       SWAP=bm < 64 <= bn, A_DIV=b // g, BATCH=b)
   return out if splits == 1 else out.sum(axis=0).astype(out_dtype)
+
+
+fp8_matmul = pallas.dense(grouped_fp8_matmul)
