@@ -55,8 +55,10 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
   stream busy; top_gaps: the eight largest sums of it, by the kernels either side.
   top_host: the fifteen host events (runtime and driver calls, XLA thunks; Python frames left
   out) taking the most time in the traced call, {name: [us, count] per call}: where the host's
-  time to launch a call goes. Nested events each count, so the figures overlap. hlo=True adds
-  the compiled N-call program's text (no extra compile).
+  time to launch a call goes. Nested events each count, so the figures overlap.
+  graph_launches: XLA command buffers (CUDA graphs) executed per call, summed over the GPUs;
+  a kernel outside them is launched by the host on its own. hlo=True adds the compiled N-call
+  program's text (no extra compile).
   """
   sets = make_inputs(2 * n if chain else n)
   f = jax.jit(lambda sets: [op(*s) for s in sets])
@@ -122,6 +124,7 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
                   top_gaps={k: round(v * 1e-3 / n / gpus, 3)
                             for k, v in sorted(gaps.items(), key=lambda kv: -kv[1])[:8]})
   if host:
+    result["graph_launches"] = host.get("command_buffer::execute", (0.0, 0))[1] / n
     result["top_host"] = {k: [round(us / n, 3), round(calls / n, 2)]
                           for k, (us, calls) in sorted(host.items(), key=lambda kv: -kv[1][0])[:15]}
   return result

@@ -6,7 +6,9 @@ and timed by the wall clock (`steady_us`; `time_us` with --wall), which adds the
 between kernels (`idle_us`, `top_gaps`) and any host time the launch queue does not hide
 (`dispatch_us`: host time to enqueue a step onto an idle device; `enqueue_us`: the same within
 the 32, where a full launch queue can hold the host back). Kernels per step counted from the
-compiled HLO.
+compiled HLO; `graph_launches`: the CUDA graphs XLA launched for a step (one when every kernel
+is captured; each jax-triton kernel is launched by the host between graphs, NOTES.md
+session 7).
 
 Floor = bytes a step must read, per device, / copy bandwidth. A step reads every weight once
 (`step_bytes`), except:
@@ -133,9 +135,10 @@ def main():
       kernel_paths = paths(built)
       for b in args.batches:
         run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, bw, rows)
+        # after every batch: a run cut off by a time limit keeps the rows it finished
+        _harness.write_results(f"decode_{args.tag}" if args.tag else "decode", rows,
+                               {"copy_tbps": round(bw, 3)}, args.commit, args.out)
       del built, kernel_paths  # the next build's weights need the memory
-    _harness.write_results(f"decode_{args.tag}" if args.tag else "decode", rows,
-                           {"copy_tbps": round(bw, 3)}, args.commit, args.out)
 
 
 def run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, bw, rows):
@@ -197,7 +200,8 @@ def run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, bw, rows):
                      enqueue_us=round(m["enqueue_s"] * 1e6, 2),
                      kernel_us=m["kernel_s"] and round(m["kernel_s"] * 1e6, 2), kernels=counts,
                      top_kernels=m.get("top_kernels"), idle_us=m.get("idle_us"),
-                     top_gaps=m.get("top_gaps"), top_host=m.get("top_host")))
+                     top_gaps=m.get("top_gaps"), graph_launches=m.get("graph_launches"),
+                     top_host=m.get("top_host")))
     print(f"{preset:>20} {impl:>7} {b:>3} {path:>8} {sec * 1e6:9.1f} {m['steady_s'] * 1e6:9.1f} "
           f"{m['dispatch_s'] * 1e6:8.1f} {counts['total']:7d} {times[False] / sec:10.3f} "
           f"{'-' if read is None else format(rows[-1]['roofline_frac'], '5.2f'):>5} "
