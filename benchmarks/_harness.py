@@ -100,8 +100,8 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
       for line in plane.lines:
         for ev in line.events:
           if not ev.name.startswith("$"):  # a Python frame
-            us, calls = host.get(ev.name[:80], (0.0, 0))
-            host[ev.name[:80]] = (us + ev.duration_ns * 1e-3, calls + 1)
+            us, calls = host.get(name := ev.name[:80], (0.0, 0))
+            host[name] = (us + ev.duration_ns * 1e-3, calls + 1)
     if plane.name.startswith("/device:GPU"):
       spans = []
       for line in plane.lines:

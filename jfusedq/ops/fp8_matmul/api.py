@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jfusedq import _target
 from jfusedq.fp8 import E4M3FN, E4M3FNUZ, Fp8Format, QuantizedActivation
 from jfusedq.ops import _common
+from jfusedq.ops import _dispatch
 from jfusedq.ops._dispatch import Unsupported, dispatch
 from jfusedq.ops.fp8_matmul import mosaic_gpu, pallas, reference, triton
 from jfusedq.ops.group_quant import group_quant
@@ -40,7 +41,7 @@ PALLAS_MAX_M = 16
 def gpu_order(m: int, k: int) -> tuple[str, ...]:
   """The GPU backends for an `[M, K]` activation, best first (measured, above)."""
   if m <= PALLAS_MAX_M:
-    return ("pallas", "triton", "xla")
+    return _dispatch.GPU_ORDER
   return ("mosaic_gpu", *GPU_ORDER) if m >= MOSAIC_MIN_M and k <= MOSAIC_MAX_K else GPU_ORDER
 
 

@@ -9,6 +9,7 @@ import jax
 
 from jfusedq.fp8 import Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.ops import _common
+from jfusedq.ops import _dispatch
 from jfusedq.ops._dispatch import dispatch
 from jfusedq.ops.group_quant import pallas as gq_pallas
 from jfusedq.ops.rmsnorm_quant import pallas, reference, triton
@@ -30,7 +31,7 @@ PALLAS_MAX_ROWS = 64
 
 def gpu_order(rows: int) -> tuple[str, ...]:
   """The GPU backends for `rows` rows, best first (measured, above)."""
-  return ("pallas", "triton", "xla") if rows <= PALLAS_MAX_ROWS else GPU_ORDER
+  return _dispatch.GPU_ORDER if rows <= PALLAS_MAX_ROWS else GPU_ORDER
 
 
 def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None = None,
