@@ -6,6 +6,8 @@ K = 2048) over E experts with top-k routing:
   dense     every expert on the same M tokens (B = E)
 Implementations (activation already quantised, row scales):
   grouped   `grouped_fp8_matmul(..., implementation="triton")`: one launch, weights read in place
+  pallas    the same on the Pallas kernel (one launch, experts read in place by `ids`): the
+            only grouped kernel XLA captures in its CUDA graph (jax-triton's is host-launched)
   mapped    `jax.vmap(fp8_matmul)` over `weight[ids]` (Triton): what StackedLinear did before;
             the gather and jax-triton's sequential vmap copy every product's weight
   xla       `grouped_fp8_matmul(..., implementation="xla")`: dequantise + dot per product
@@ -14,7 +16,8 @@ and bf16 outputs; roofline = bytes / copy bandwidth measured in the same run. We
 per call (a model reads each layer's experts once), so L2 does not serve them.
 
 Run: python benchmarks/moe_gemm.py [--ms 1 8] [--experts 16] [--topk 8] [--out DIR]
-     [--commit SHA] [--smoke]
+     [--commit SHA] [--impls grouped pallas ...] [--tag T] [--smoke]
+--tag suffixes the results file (moe_gemm_<tag>.json).
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ def mapped(qa, qw, sw, ids):
 IMPLS = {
     "grouped": lambda qa, qw, sw, ids: grouped_fp8_matmul(qa, qw, sw, ids,
                                                           implementation="triton"),
+    "pallas": lambda qa, qw, sw, ids: grouped_fp8_matmul(qa, qw, sw, ids,
+                                                         implementation="pallas"),
     "mapped": mapped,
     "xla": lambda qa, qw, sw, ids: grouped_fp8_matmul(qa, qw, sw, ids, implementation="xla"),
 }
@@ -82,9 +87,13 @@ def main():
   ap.add_argument("--ms", nargs="+", type=int, default=[1, 8])
   ap.add_argument("--experts", type=int, default=16)
   ap.add_argument("--topk", type=int, default=8)
+  ap.add_argument("--impls", nargs="+", default=None, choices=sorted(IMPLS),
+                  help="columns to time (xla, the baseline, always runs first)")
+  ap.add_argument("--tag", default="", help="results file moe_gemm_<tag>.json")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, XLA only, on CPU")
   args = ap.parse_args()
-  nks, impls = (((256, 384),), {"xla": IMPLS["xla"]}) if args.smoke else (NKS, IMPLS)
+  impls = {i: IMPLS[i] for i in dict.fromkeys(["xla", *(args.impls or IMPLS)])}
+  nks, impls = (((256, 384),), {"xla": IMPLS["xla"]}) if args.smoke else (NKS, impls)
   e, topk = args.experts, args.topk
   bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
   print(f"device {jax.devices()[0].device_kind}: copy {bw:.2f} TB/s")
@@ -121,7 +130,7 @@ def main():
       print(f"{str(case):>34} {row['impl']:>8} {row['time_us']:9.2f} {row['tbps']:6.2f} "
             f"{row['roofline_frac']:5.2f} {row['vs_xla']:6.2f} "
             f"{'yes' if row['correct'] else 'CHECK FAILED'}", flush=True)
-    _harness.write_results("moe_gemm", rows, {"copy_tbps": round(bw, 3)}, args.commit,
+    _harness.write_results("moe_gemm" + (f"_{args.tag}" if args.tag else ""), rows, {"copy_tbps": round(bw, 3)}, args.commit,
                            args.out)
 
 
