@@ -110,6 +110,10 @@ def sweep_configs(impl: str, m: int, n: int, k: int) -> list:
     cands = [mm_pallas.Config(h.block_m, bn, s, 4, 4) for bn in (32, 64, 128)
              for s in dict.fromkeys((max(1, h.k_splits // 2), h.k_splits,
                                      min(2 * h.k_splits, pow2_floor(kb))))]
+    # One kernel, no f32 partials to reduce (the split's second kernel, 1-2 us, is most of
+    # the gap to the same-size copy at small N): narrow tiles for enough programs, and deeper
+    # pipelines to keep enough weight bytes in flight per SM.
+    cands += [mm_pallas.Config(h.block_m, bn, 1, 4, st) for bn in (16, 32) for st in (4, 8)]
   elif impl == "pallas":
     cands = [mm_pallas.Config(bm, bn, 1, w, st)
              for bm, bn, w, st in ((64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3),
