@@ -114,6 +114,9 @@ def sweep_configs(impl: str, m: int, n: int, k: int) -> list:
     # the gap to the same-size copy at small N): narrow tiles for enough programs, and deeper
     # pipelines to keep enough weight bytes in flight per SM.
     cands += [mm_pallas.Config(h.block_m, bn, 1, 4, st) for bn in (16, 32) for st in (4, 8)]
+    if m > 16:  # M = 64 does MMA work worth overlapping: two warp groups, other depths
+      cands += [mm_pallas.Config(h.block_m, h.block_n, h.k_splits, w, st)
+                for w in (4, 8) for st in (3, 5, 6)]
   elif impl == "pallas":
     cands = [mm_pallas.Config(bm, bn, 1, w, st)
              for bm, bn, w, st in ((64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3),
