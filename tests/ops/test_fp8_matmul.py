@@ -349,14 +349,6 @@ def test_gpu_order(m, k, first):
   assert mm_api.gpu_order(m, k)[0] == first
 
 
-@pytest.mark.parametrize("m,first", [(1, "pallas"), (16, "pallas"), (17, "triton"),
-                                     (4096, "triton")])
-def test_grouped_gpu_order(m, first):
-  # Rows per product: Pallas (in the CUDA graph) within 0-6% of Triton up to 16, 11% behind at
-  # 32 (moe_gemm_pallas.json); Mosaic GPU, which maps products one by one, never by default.
-  order = mm_api.grouped_gpu_order(m)
-  assert order[0] == first and "mosaic_gpu" not in order
-
 
 @pytest.mark.lowering
 @pytest.mark.parametrize("target", TARGETS)

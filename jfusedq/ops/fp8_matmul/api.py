@@ -33,9 +33,11 @@ MOSAIC_MIN_M, MOSAIC_MAX_K = 4096, 8192
 # 7.8 / 7.5 us at M = 1, N, K = 2112, 7168; 34.3 / 33.6 at M = 16, 7168, 16384), and XLA
 # captures it in the step's CUDA graph, where each jax-triton call is launched by the host on
 # its own and splits the graph (rmsnorm_quant/api.py, decode_impls.json). Grouped (MoE)
-# products likewise: with <= 16 rows a product the Pallas grouped kernel ran within 0-6% of the
-# Triton one (moe_gemm_pallas.json: 32.2 / 31.3 us for 8 experts of (2048, 7168) at one row,
-# 61.7 / 59.8 for 16 experts at 16 rows), 11% behind at 32 rows (68.2 / 61.2).
+# products keep Triton first: the Pallas grouped kernel ran 0-6% behind it at <= 16 rows a
+# product (moe_gemm_pallas.json: 32.2 / 31.3 us for 8 experts of (2048, 7168) at one row, 61.7
+# / 59.8 for 16 experts at 16 rows), 11% at 32; with it first the decode step became one CUDA
+# graph, but its kernel sum rose by 17-28 us and the step got no faster (decode_grouped_pallas
+# .json against decode_final.json / decode_pallasfirst.json: +0.2-2.3%).
 PALLAS_MAX_M = 16
 
 
@@ -44,12 +46,6 @@ def gpu_order(m: int, k: int) -> tuple[str, ...]:
   if m <= PALLAS_MAX_M:
     return _dispatch.GPU_ORDER
   return ("mosaic_gpu", *GPU_ORDER) if m >= MOSAIC_MIN_M and k <= MOSAIC_MAX_K else GPU_ORDER
-
-
-def grouped_gpu_order(m: int) -> tuple[str, ...]:
-  """The GPU backends for grouped products of `m` rows each, best first (measured, above).
-  Mosaic GPU is left out of the defaults: it maps the products one by one over a copy."""
-  return _dispatch.GPU_ORDER if m <= PALLAS_MAX_M else GPU_ORDER
 
 
 def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_scale: jax.Array, *,
@@ -164,7 +160,7 @@ def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
 
   backends = {"triton": in_place(triton), "pallas": in_place(pallas),
               "mosaic_gpu": per_product("mosaic_gpu"), "xla": per_product("xla")}
-  out = dispatch("grouped_fp8_matmul", backends, implementation, gpu_order=grouped_gpu_order(m))
+  out = dispatch("grouped_fp8_matmul", backends, implementation, gpu_order=GPU_ORDER)
   return out.reshape(b, *lead, n)
 
 
