@@ -349,7 +349,6 @@ def test_gpu_order(m, k, first):
   assert mm_api.gpu_order(m, k)[0] == first
 
 
-
 @pytest.mark.lowering
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("m,k,mosaic", [(4096, 1536, True), (4096, 16384, False),
