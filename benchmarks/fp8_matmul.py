@@ -110,11 +110,13 @@ def sweep_configs(impl: str, m: int, n: int, k: int) -> list:
     cands = [mm_pallas.Config(h.block_m, bn, s, 4, 4) for bn in (32, 64, 128)
              for s in dict.fromkeys((max(1, h.k_splits // 2), h.k_splits,
                                      min(2 * h.k_splits, pow2_floor(kb))))]
-    # One kernel, no f32 partials to reduce (the split's second kernel, 1-2 us, is most of
-    # the gap to the same-size copy at small N): narrow tiles for enough programs, and deeper
-    # pipelines to keep enough weight bytes in flight per SM.
+    # One kernel with no f32 partials to reduce: narrow tiles for enough programs, deeper
+    # pipelines for enough weight bytes in flight. 1.04-1.4x slower than the split at M = 1
+    # (fp8_matmul_sweep_pallas_m1.json): the second kernel is not what small shapes lose.
     cands += [mm_pallas.Config(h.block_m, bn, 1, 4, st) for bn in (16, 32) for st in (4, 8)]
-    if m > 16:  # M = 64 does MMA work worth overlapping: two warp groups, other depths
+    # M = 64: two warp groups (4-38% slower) and other pipeline depths (-6% to +26%;
+    # fp8_matmul_sweep_triton_m64_stages.json).
+    if m > 16:
       cands += [mm_pallas.Config(h.block_m, h.block_n, h.k_splits, w, st)
                 for w in (4, 8) for st in (3, 5, 6)]
   elif impl == "pallas":

@@ -130,8 +130,8 @@ def main():
       print(f"{str(case):>34} {row['impl']:>8} {row['time_us']:9.2f} {row['tbps']:6.2f} "
             f"{row['roofline_frac']:5.2f} {row['vs_xla']:6.2f} "
             f"{'yes' if row['correct'] else 'CHECK FAILED'}", flush=True)
-    _harness.write_results("moe_gemm" + (f"_{args.tag}" if args.tag else ""), rows, {"copy_tbps": round(bw, 3)}, args.commit,
-                           args.out)
+    _harness.write_results("moe_gemm" + (f"_{args.tag}" if args.tag else ""), rows,
+                           {"copy_tbps": round(bw, 3)}, args.commit, args.out)
 
 
 if __name__ == "__main__":

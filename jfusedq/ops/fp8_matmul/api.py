@@ -37,7 +37,7 @@ MOSAIC_MIN_M, MOSAIC_MAX_K = 4096, 8192
 # product (moe_gemm_pallas.json: 32.2 / 31.3 us for 8 experts of (2048, 7168) at one row, 61.7
 # / 59.8 for 16 experts at 16 rows), 11% at 32; with it first the decode step became one CUDA
 # graph, but its kernel sum rose by 17-28 us and the step got no faster (decode_grouped_pallas
-# .json against decode_final.json / decode_pallasfirst.json: +0.2-2.3%).
+# .json against decode_final.json / decode_pallasfirst.json: -0.2% to +2.3%).
 PALLAS_MAX_M = 16
 
 
