@@ -101,7 +101,8 @@ def sweep_configs(impl: str, m: int, n: int, k: int) -> list:
   h = HEURISTICS[impl](m, n, k)
   if impl == "mosaic_gpu":  # tile widths dividing N; 2 to 4 TMA stages (192 x 5 overflows SMEM)
     cands = [mm_mosaic.Config(bn, st) for bn in (64, 128, 192) if n % bn == 0
-             for st in (2, 3, 4)] + [mm_mosaic.Config(h.block_n, st, persistent=True) for st in (3, 4)]
+             for st in (2, 3, 4)]
+    cands += [mm_mosaic.Config(h.block_n, st, persistent=True) for st in (3, 4)]
     return [h] + [c for c in cands if c != h]
   kb = -(-k // mm_pallas.BLOCK_K)
   if m <= 64:
