@@ -222,7 +222,8 @@ def main():
                        correct=bool(ok.get(impl.split("+")[0], True)),
                        config=configs.get(impl.split("+")[0]),
                        chain_us=round(t["chain_s"] * 1e6, 3) if t["chain_s"] else None,
-                       kernels_per_call=t["kernels_per_call"]))
+                       kernels_per_call=t["kernels_per_call"],
+                       top_kernels=t.get("top_kernels")))
     # From the unrounded times: on a loaded CPU (--smoke) a slope can round to 0 us.
     for row, sec in zip(rows[-len(impls):], secs, strict=True):
       row["vs_xla"] = round(base / sec, 3)

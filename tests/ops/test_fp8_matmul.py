@@ -147,6 +147,24 @@ def test_jit_deterministic(impl):
   assert_close(a, fp8_matmul(x, qw, sw, implementation="xla"))
 
 
+@pytest.mark.parametrize("impl", ["pallas", TRITON])
+def test_split_k_sum_independent_of_arrival_on_gpu(impl):
+  # Decode size (M = 1, 8 K splits over 64 tiles): the splits of a tile finish in a different
+  # order from call to call on a GPU, and the last to arrive sums the partials; the sum must
+  # not depend on which one that is: twelve launches must agree to the bit. The interpreter
+  # runs programs in order, so this needs the GPU.
+  if jax.devices()[0].platform != "gpu":
+    pytest.skip("arrival order varies only on a GPU")
+  x, qw, sw = problem(("split_order",), (1,), 4096, 8192)
+  qa = group_quant(x, implementation="xla")
+  cfg = mm_pallas.heuristics(1, 4096, 8192, jax.devices()[0].device_kind)
+  assert cfg.k_splits == 8
+  f = jax.jit(lambda qa: fp8_matmul(qa, qw, sw, implementation=impl))
+  outs = [np.asarray(f(qa)) for _ in range(12)]
+  assert all(o.tobytes() == outs[0].tobytes() for o in outs[1:])
+  assert_close(jnp.asarray(outs[0]), fp8_matmul(qa, qw, sw, implementation="xla"))
+
+
 def experts(key, e, n, k, fmt="e4m3fn"):
   r = rng(*key)
   w = jnp.asarray(r.standard_normal((e, n, k)) * np.exp(r.uniform(-1, 1, (e, n, 1))), jnp.float32)
