@@ -150,7 +150,8 @@ def run_sweep(impl, ms, nks, fp8_peak, bw, commit, out):
       rows.append(dict(case=dict(M=m, N=n, K=k), impl=impl, time_us=round(sec * 1e6, 3),
                        tbps=round(n * k / sec / 1e12, 3), tflops=round(flops / sec / 1e12, 1),
                        roofline_frac=None, vs_xla=None, correct=bool(ok), config=str(cfg),
-                       heuristic=cfg == HEURISTICS[impl](m, n, k)))
+                       heuristic=cfg == HEURISTICS[impl](m, n, k),
+                       top_kernels=t.get("top_kernels")))
       print(f"{m:>38} {n:>6} {k:>6} {sec * 1e6:9.2f} {cfg} {'' if ok else 'CHECK FAILED'}",
             flush=True)
     _harness.write_results("fp8_matmul_sweep" + ("" if impl == "pallas" else f"_{impl}"), rows,

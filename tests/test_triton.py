@@ -77,8 +77,7 @@ class Recorder:
     self.launches = []  # (name, grid)
 
   def triton_call(self, *args, kernel, out_shape, grid, name="", num_warps=4, num_stages=3,
-                  zeroed_outputs=(), **constexprs):
-    del zeroed_outputs
+                  **constexprs):
     self.calls.append((kernel, args, out_shape, num_warps, num_stages, constexprs))
     self.launches.append((name, grid))
     many = isinstance(out_shape, (list, tuple))

@@ -106,8 +106,7 @@ def _poisoned(shape, dtype) -> np.ndarray:
 
 class _FakeJaxTriton:
   @staticmethod
-  def triton_call(*args, kernel, out_shape, grid, name="", num_warps=4, num_stages=3,
-                  zeroed_outputs=(), **meta):
+  def triton_call(*args, kernel, out_shape, grid, name="", num_warps=4, num_stages=3, **meta):
     del name, num_warps, num_stages
     many = isinstance(out_shape, (list, tuple))
     shapes = list(out_shape) if many else [out_shape]
@@ -118,8 +117,7 @@ class _FakeJaxTriton:
       for i, a in zip(arrays, operands):
         a = np.asarray(a)
         full[i] = _Buffer(_bits(a).copy(), a.dtype)
-      outs = [_Buffer(np.zeros(s.shape, _UINT[jnp.dtype(s.dtype).itemsize]) if i in zeroed_outputs
-                      else _poisoned(s.shape, s.dtype), s.dtype) for i, s in enumerate(shapes)]
+      outs = [_Buffer(_poisoned(s.shape, s.dtype), s.dtype) for s in shapes]
       with _LOCK:
         _RANGES[:] = [(b.arr.ctypes.data, b.arr.ctypes.data + b.arr.nbytes)
                       for b in (*full, *outs) if isinstance(b, _Buffer)]

@@ -148,13 +148,13 @@ def test_jit_deterministic(impl):
 
 
 @pytest.mark.parametrize("impl", ["pallas", TRITON])
-def test_split_k_sum_independent_of_arrival_on_gpu(impl):
-  # Decode size (M = 1, 8 K splits over 64 tiles): the splits of a tile finish in a different
-  # order from call to call on a GPU, and the last to arrive sums the partials; the sum must
-  # not depend on which one that is: twelve launches must agree to the bit. The interpreter
-  # runs programs in order, so this needs the GPU.
+def test_split_k_deterministic_on_gpu(impl):
+  # Decode size (M = 1, 8 K splits over 64 tiles), where a GPU runs the splits in a different
+  # order from launch to launch: twelve launches must agree to the bit (the partials are summed
+  # by XLA in split order, never by atomics). The interpreter runs programs in order, so this
+  # needs the GPU.
   if jax.devices()[0].platform != "gpu":
-    pytest.skip("arrival order varies only on a GPU")
+    pytest.skip("the splits' order varies only on a GPU")
   x, qw, sw = problem(("split_order",), (1,), 4096, 8192)
   qa = group_quant(x, implementation="xla")
   cfg = mm_pallas.heuristics(1, 4096, 8192, jax.devices()[0].device_kind)

@@ -5,10 +5,13 @@ scale granularity): one fp8 x fp8 dot per block into f32, scaled by the activati
 scale and the weight block's scalar scale, accumulated in f32. `block_n` divides 128, so a
 program's columns share one weight-scale row. Loads and stores are masked, so M, N and K need
 not be multiples of anything (Pallas-Triton does not mask overhanging blocks by itself).
-With K split (decode shapes need it to put enough programs on the GPU), each split writes an
-f32 partial and counts itself in on its tile's counter; the split that arrives last adds every
-partial in split order and writes the output: one kernel, and a sum that does not depend on
-which split finishes first (unlike atomic adds of the partials).
+With K split, each split writes an f32 partial and XLA adds them (deterministic, unlike
+atomics); decode shapes need the split to put enough programs on the GPU. XLA's sum is a
+second kernel of 1.0-2.1 us on the H200; summing in this kernel instead (the last split of a
+tile to count itself in on a zeroed counter adds the partials) ran 0-10% slower at M <= 16 and
+up to 26% at M = 64, Pallas and Triton alike (fp8_matmul_splitsum.json against
+fp8_matmul_xlasum.json): the count's round trip and the partials' reload sit on the last
+tile's critical path, and the counters need a memset.
 
 On Hopper this kernel does not reach the FP8 tensor cores: Pallas emits `tt.dot` without
 `maxNumImpreciseAcc`, and Triton then lowers an fp8 dot to fp8 -> f16 conversions and
@@ -113,9 +116,7 @@ def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Arra
   to_bits = (lambda t: lax.bitcast_convert_type(t, jnp.uint8)) if as_bits else (lambda t: t)
   fill = 0 if as_bits else 0.0
 
-  def kernel(ids_ref, a_ref, sa_ref, w_ref, sw_ref, *refs):
-    # With K split: the counts' zeros operand (aliased to count_ref), the partials, the counts.
-    o_ref, part_ref, count_ref = (*refs, None, None) if splits == 1 else refs[1:]
+  def kernel(ids_ref, a_ref, sa_ref, w_ref, sw_ref, o_ref):
     pid_m, pid_n, pid_kb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # One product (the dense call) needs no index arithmetic: its zero offsets fold away.
     pid_k, pid_b = (pid_kb, jnp.int32(0)) if b == 1 else (pid_kb % splits, pid_kb // splits)
@@ -145,55 +146,30 @@ def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Arra
       return acc + d * (s_a[:, None] * s_w)
 
     acc = lax.fori_loop(first, last, step, jnp.zeros((bm, bn), jnp.float32))
-    tile = (pl.ds(m0, bm), pl.ds(n0, bn))
-    mask = row_ok[:, None] & col_ok[None, :]
-    if splits == 1:
-      plgpu.store(o_ref.at[pid_b, *tile], acc.astype(o_ref.dtype), mask=mask)
-      return
-    plgpu.store(part_ref.at[pid_k, pid_b, *tile], acc, mask=mask)
-    # Every thread's partial is stored before one thread's release of the count (the CUTLASS
-    # semaphore's order); the last split's acquire, shared by its threads through the barrier
-    # that broadcasts the count, makes every partial visible to their loads.
-    # The interpreter runs one program at a time and has no barrier to lower.
-    if not _target.interpret():
-      plgpu.debug_barrier()
-    count = (pid_b * pl.cdiv(m, bm) + pid_m) * pl.cdiv(n, bn) + pid_n
-    arrived = plgpu.atomic_add(count_ref, jnp.asarray(count, jnp.int32), jnp.int32(1))
+    out = (o_ref.at[pid_b, pl.ds(m0, bm), pl.ds(n0, bn)] if splits == 1
+           else o_ref.at[pid_k, pid_b, pl.ds(m0, bm), pl.ds(n0, bn)])
+    plgpu.store(out, acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
-    @pl.when(arrived == splits - 1)
-    def _():
-      total = jnp.zeros((bm, bn), jnp.float32)
-      for s in range(splits):
-        total += plgpu.load(part_ref.at[jnp.int32(s), pid_b, *tile], mask=mask, other=0.0)
-      plgpu.store(o_ref.at[pid_b, *tile], total.astype(o_ref.dtype), mask=mask)
-
-  out_shape = [jax.ShapeDtypeStruct((b, m, n), out_dtype)]
+  out_shape = (jax.ShapeDtypeStruct((b, m, n), out_dtype) if splits == 1
+               else jax.ShapeDtypeStruct((splits, b, m, n), jnp.float32))
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   operands = [to_bits(qa), sa, to_bits(qw), sw]
-  aliases = {}
-  if splits > 1:
-    counts = jnp.zeros((b * pl.cdiv(m, bm) * pl.cdiv(n, bn),), jnp.int32)
-    out_shape += [jax.ShapeDtypeStruct((splits, b, m, n), jnp.float32),
-                  jax.ShapeDtypeStruct(counts.shape, jnp.int32)]
-    aliases = {len(operands) + (ids is not None): 2}  # the counts start at zero
-    operands.append(counts)
   if ids is None:
     body = lambda *refs: kernel(None, *refs)
   else:
     body, operands = kernel, [ids.astype(jnp.int32), *operands]
-  out, *_ = pl.pallas_call(
+  out = pl.pallas_call(
       body,
       grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), splits * b),
       in_specs=[any_spec] * len(operands),
-      out_specs=[any_spec] * len(out_shape),
+      out_specs=any_spec,
       out_shape=out_shape,
-      input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                            num_stages=config.num_stages),
       interpret=_target.interpret(),
       name="fp8_matmul",
   )(*operands)
-  return out
+  return out if splits == 1 else out.sum(axis=0).astype(out_dtype)
 
 
 def dense(grouped):

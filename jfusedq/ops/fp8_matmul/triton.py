@@ -6,10 +6,7 @@ share of the K blocks of 128 (the scale granularity): one fp8 x fp8 `tl.dot` per
 f32, scaled by the activation's per-row scale and the weight block's scalar scale (`block_n`
 divides 128, so a program's columns share one weight-scale row), accumulated in f32. Loads
 and stores are masked, so M, N and K need not be multiples of anything. With K split, each
-split writes an f32 partial and counts itself in on its tile's counter (zeroed by jax-triton
-before the launch); the split that arrives last adds every partial in split order and writes
-the output, so the sum does not depend on which split finishes first, and no second kernel
-runs (an XLA sum of the partials did before).
+split writes an f32 partial and XLA adds them (deterministic, unlike atomics).
 
 Grouped (MoE experts): the third grid axis runs B products in one launch, product b reading
 activation group b // A_DIV and weight `ids[b]` of a stacked `[E, N, K]` by pointer offset, so
@@ -36,11 +33,10 @@ GROUP_M = 8  # row blocks per L2 group
 
 
 @_triton.jit
-def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, part_ptr, count_ptr,
-                      N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
-                      A_COL: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr,
-                      A_DIV: tl.constexpr, BATCH: tl.constexpr):
+def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.constexpr,
+                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PER_SPLIT: tl.constexpr, A_COL: tl.constexpr, GROUP_M: tl.constexpr,
+                      SWAP: tl.constexpr, A_DIV: tl.constexpr, BATCH: tl.constexpr):
   BK: tl.constexpr = 128
   KB: tl.constexpr = (K + BK - 1) // BK
   NB: tl.constexpr = (N + BK - 1) // BK
@@ -56,8 +52,7 @@ def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, part_ptr,
   sa_ptr += (pid_b // A_DIV).to(tl.int64) * m * KB
   w_ptr += expert * N * K
   sw_ptr += expert * NB * KB
-  o_ptr += pid_b.to(tl.int64) * m * N
-  part_ptr += pid_b.to(tl.int64) * m * N
+  o_ptr += (pid_k.to(tl.int64) * BATCH + pid_b) * m * N
 
   rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
   rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,22 +92,7 @@ def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, part_ptr,
     acc = tl.trans(acc)
 
   o_offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
-  o_mask = m_ok[:, None] & n_ok[None, :]
-  if SPLITS == 1:
-    tl.store(o_ptr + o_offs, acc.to(o_ptr.dtype.element_ty), mask=o_mask)
-  else:
-    split_stride = BATCH * m * N
-    tl.store(part_ptr + pid_k * split_stride + o_offs, acc, mask=o_mask)
-    # Every thread's partial is stored before one thread's release of the count (the CUTLASS
-    # semaphore's order); the last split's acquire, shared by its threads through the barrier
-    # that broadcasts the count, makes every partial visible to their loads.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr + pid_b * tl.num_programs(0) + pid, 1, sem="acq_rel")
-    if arrived == SPLITS - 1:
-      total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-      for s in tl.static_range(SPLITS):
-        total += tl.load(part_ptr + s * split_stride + o_offs, mask=o_mask, other=0.0)
-      tl.store(o_ptr + o_offs, total.to(o_ptr.dtype.element_ty), mask=o_mask)
+  tl.store(o_ptr + o_offs, acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def heuristics(m: int, n: int, k: int, device_kind: str | None = None, batch: int = 1) -> Config:
@@ -143,22 +123,17 @@ def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Arra
   b = ids.shape[0]
   kb = -(-k // BLOCK_K)
   bm, bn, splits = config.block_m, config.block_n, config.k_splits
-  tiles = -(-m // bm) * -(-n // bn)
-  # With one split, the partials and counts are never touched: one element each.
-  out_shape = [jax.ShapeDtypeStruct((b, m, n), out_dtype),
-               jax.ShapeDtypeStruct((splits, b, m, n) if splits > 1 else (1,), jnp.float32),
-               jax.ShapeDtypeStruct((b * tiles if splits > 1 else 1,), jnp.int32)]
-  out, _, _ = _triton.call(
+  out_shape = (jax.ShapeDtypeStruct((b, m, n), out_dtype) if splits == 1
+               else jax.ShapeDtypeStruct((splits, b, m, n), jnp.float32))
+  out = _triton.call(
       fp8_matmul_kernel, qa, sa, qw, sw, ids, m, out_shape=out_shape,
-      zeroed_outputs=(2,) if splits > 1 else (),
-      grid=(tiles, splits, b), name="fp8_matmul",
+      grid=(-(-m // bm) * -(-n // bn), splits, b), name="fp8_matmul",
       num_warps=config.num_warps, num_stages=config.num_stages, N=n, K=k, BLOCK_M=bm,
-      BLOCK_N=bn, PER_SPLIT=-(-kb // splits), SPLITS=splits, A_COL=a_layout == "col",
-      GROUP_M=GROUP_M,
+      BLOCK_N=bn, PER_SPLIT=-(-kb // splits), A_COL=a_layout == "col", GROUP_M=GROUP_M,
       # Hopper's fp8 MMA (wgmma) needs 64 rows in M: with fewer tokens, compute w . a^T so
       # the weight's rows fill M and the tokens sit in N (8 to 256 allowed).
       SWAP=bm < 64 <= bn, A_DIV=b // g, BATCH=b)
-  return out
+  return out if splits == 1 else out.sum(axis=0).astype(out_dtype)
 
 
 fp8_matmul = pallas.dense(grouped_fp8_matmul)
