@@ -8,10 +8,11 @@ not be multiples of anything (Pallas-Triton does not mask overhanging blocks by 
 With K split, each split writes an f32 partial and XLA adds them (deterministic, unlike
 atomics); decode shapes need the split to put enough programs on the GPU. XLA's sum is a
 second kernel of 1.0-2.1 us on the H200; summing in this kernel instead (the last split of a
-tile to count itself in on a zeroed counter adds the partials) ran 0-10% slower at M <= 16 and
-up to 26% at M = 64, Pallas and Triton alike (fp8_matmul_splitsum.json against
-fp8_matmul_xlasum.json): the count's round trip and the partials' reload sit on the last
-tile's critical path, and the counters need a memset.
+tile to count itself in on a zeroed counter adds the partials) was no faster: Triton 2-9%
+slower at M <= 16 and 5-35% at M = 64, Pallas from 2.5% faster to 28% slower
+(fp8_matmul_splitsum.json against fp8_matmul_xlasum.json). The count's round trip and the
+partials' reload sit at the end of every tile, one CTA a tile does the reload, and the
+counters need a memset.
 
 On Hopper this kernel does not reach the FP8 tensor cores: Pallas emits `tt.dot` without
 `maxNumImpreciseAcc`, and Triton then lowers an fp8 dot to fp8 -> f16 conversions and
