@@ -72,7 +72,9 @@ def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.con
     # share one L1 line for 32 blocks), and with them the loop ran 1.14-1.44x the row layout's
     # time at M = 64 (fp8_matmul_scale_layout.json): load them one block ahead, so the read
     # overlaps a block's MMA instead of preceding it. Not yet timed (NOTES.md, session 9).
-    s_a_next = tl.load(sa_ptr + first * m + rm, mask=m_ok & (first < last), other=0.0)
+    # Block indices clamped to the last one (KB - 1): an empty split or the last step reads a
+    # block it does not use, in bounds.
+    s_a_next = tl.load(sa_ptr + tl.minimum(first, KB - 1) * m + rm, mask=m_ok, other=0.0)
   for b in range(first, last):
     if K % BK == 0:
       a_mask = m_ok[:, None]
@@ -85,7 +87,7 @@ def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.con
     w = tl.load(w_ptrs + b * BK, mask=w_mask, other=0.0)
     if A_COL:
       s_a = s_a_next
-      s_a_next = tl.load(sa_ptr + (b + 1) * m + rm, mask=m_ok & (b + 1 < last), other=0.0)
+      s_a_next = tl.load(sa_ptr + tl.minimum(b + 1, KB - 1) * m + rm, mask=m_ok, other=0.0)
     else:
       s_a = tl.load(sa_ptr + rm * KB + b, mask=m_ok, other=0.0)
     s_w = tl.load(sw_row + b)
