@@ -130,7 +130,16 @@ def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Arra
     first = pid_k * per_split
     last = jnp.minimum(first + per_split, kb)
 
-    def step(kblock, acc):
+    def load_sa(kblock):
+      return plgpu.load(sa_ref.at[group, pl.ds(m0, bm), kblock] if a_layout == "row"
+                        else sa_ref.at[group, kblock, pl.ds(m0, bm)], mask=row_ok, other=0.0)
+
+    # Col-layout scales ([KB, M]) are loaded one K block ahead, as in triton.py (see there why);
+    # the index is clamped to the last block, so the final step's extra read stays in bounds.
+    ahead = a_layout == "col"
+
+    def step(kblock, carry):
+      acc, s_next = carry
       k0 = kblock * BLOCK_K
       k_ok = (k0 + lax.broadcasted_iota(jnp.int32, (BLOCK_K,), 0)) < k
       a = plgpu.load(a_ref.at[group, pl.ds(m0, bm), pl.ds(k0, BLOCK_K)],
@@ -139,14 +148,17 @@ def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Arra
                      mask=col_ok[:, None] & k_ok[None, :], other=fill)
       if as_bits:
         a, w = lax.bitcast_convert_type(a, fp8), lax.bitcast_convert_type(w, fp8)
-      s_a = plgpu.load(sa_ref.at[group, pl.ds(m0, bm), kblock] if a_layout == "row"
-                       else sa_ref.at[group, kblock, pl.ds(m0, bm)], mask=row_ok, other=0.0)
+      if ahead:
+        s_a, s_next = s_next, load_sa(jnp.minimum(kblock + 1, kb - 1))
+      else:
+        s_a = load_sa(kblock)
       s_w = sw_ref[expert, n0 // BLOCK_K, kblock]
       # fp8 x fp8 -> f32 on the tensor cores, contracting both operands' K (w is [N, K]).
       d = lax.dot_general(a, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-      return acc + d * (s_a[:, None] * s_w)
+      return acc + d * (s_a[:, None] * s_w), s_next
 
-    acc = lax.fori_loop(first, last, step, jnp.zeros((bm, bn), jnp.float32))
+    s_first = load_sa(jnp.minimum(first, kb - 1)) if ahead else None
+    acc, _ = lax.fori_loop(first, last, step, (jnp.zeros((bm, bn), jnp.float32), s_first))
     out = (o_ref.at[pid_b, pl.ds(m0, bm), pl.ds(n0, bn)] if splits == 1
            else o_ref.at[pid_k, pid_b, pl.ds(m0, bm), pl.ds(n0, bn)])
     plgpu.store(out, acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])

@@ -69,9 +69,9 @@ def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.con
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
   if A_COL:
     # Column-layout scales ([KB, M]) of each K block lie in a new stretch of memory (a row's
-    # share one L1 line for 32 blocks), and with them the loop ran 1.14-1.44x the row layout's
-    # time at M = 64 (fp8_matmul_scale_layout.json): load them one block ahead, so the read
-    # overlaps a block's MMA instead of preceding it. Not yet timed (NOTES.md, session 9).
+    # share one L1 line for 32 blocks), and loaded in their step the loop ran 1.14-1.44x the
+    # row layout's time at M = 64 (fp8_matmul_scale_layout.json). Loaded one block ahead, the
+    # read overlaps a block's MMA: 0.99-1.14x (fp8_matmul_scale_layout_prefetch.json).
     # Block indices clamped to the last one (KB - 1): an empty split or the last step reads a
     # block it does not use, in bounds.
     s_a_next = tl.load(sa_ptr + tl.minimum(first, KB - 1) * m + rm, mask=m_ok, other=0.0)
