@@ -67,14 +67,20 @@ def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.con
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
   else:
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+  # Scales are loaded one K block ahead (a loop-carried load), so their read overlaps a
+  # block's MMA instead of preceding it: 1-8% faster with row-layout scales than loading them
+  # in their step (fp8_matmul_probe_ahead.json, M = 1 / 16 / 64). Column-layout scales
+  # ([KB, M]) of each block lie in a new stretch of memory (a row's share one L1 line for 32
+  # blocks): loaded in their step the loop ran 1.14-1.44x the row layout's time at M = 64
+  # (fp8_matmul_scale_layout.json), ahead 0.99-1.14x (fp8_matmul_scale_layout_prefetch.json).
+  # Block indices are clamped to the last one (KB - 1): an empty split or the last step reads
+  # a block it does not use, in bounds.
   if A_COL:
-    # Column-layout scales ([KB, M]) of each K block lie in a new stretch of memory (a row's
-    # share one L1 line for 32 blocks), and loaded in their step the loop ran 1.14-1.44x the
-    # row layout's time at M = 64 (fp8_matmul_scale_layout.json). Loaded one block ahead, the
-    # read overlaps a block's MMA: 0.99-1.14x (fp8_matmul_scale_layout_prefetch.json).
-    # Block indices clamped to the last one (KB - 1): an empty split or the last step reads a
-    # block it does not use, in bounds.
-    s_a_next = tl.load(sa_ptr + tl.minimum(first, KB - 1) * m + rm, mask=m_ok, other=0.0)
+    sa_step, sa_offs = m, rm
+  else:
+    sa_step, sa_offs = 1, rm * KB
+  s_a_next = tl.load(sa_ptr + tl.minimum(first, KB - 1) * sa_step + sa_offs, mask=m_ok, other=0.0)
+  s_w_next = tl.load(sw_row + tl.minimum(first, KB - 1))
   for b in range(first, last):
     if K % BK == 0:
       a_mask = m_ok[:, None]
@@ -85,12 +91,10 @@ def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.con
       w_mask = n_ok[:, None] & k_ok[None, :]
     a = tl.load(a_ptrs + b * BK, mask=a_mask, other=0.0)
     w = tl.load(w_ptrs + b * BK, mask=w_mask, other=0.0)
-    if A_COL:
-      s_a = s_a_next
-      s_a_next = tl.load(sa_ptr + tl.minimum(b + 1, KB - 1) * m + rm, mask=m_ok, other=0.0)
-    else:
-      s_a = tl.load(sa_ptr + rm * KB + b, mask=m_ok, other=0.0)
-    s_w = tl.load(sw_row + b)
+    s_a, s_w = s_a_next, s_w_next
+    nxt = tl.minimum(b + 1, KB - 1)
+    s_a_next = tl.load(sa_ptr + nxt * sa_step + sa_offs, mask=m_ok, other=0.0)
+    s_w_next = tl.load(sw_row + nxt)
     # fp8 x fp8 -> f32 on the tensor cores, both operands straight from shared memory; w is
     # [N, K], so its transpose is K-major as the fp8 MMA wants it (and a's, when swapped).
     if SWAP:
