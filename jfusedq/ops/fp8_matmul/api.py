@@ -30,9 +30,11 @@ GPU_ORDER = ("triton", "pallas", "xla")
 # it cannot tile, and the order goes on. M = 256-2048 has not been measured for it.
 MOSAIC_MIN_M, MOSAIC_MAX_K = 4096, 8192
 # At M <= 16 the Pallas kernel ran within 5% of the jax-triton one (fp8_matmul_decode.json:
-# 7.8 / 7.5 us at M = 1, N, K = 2112, 7168; 34.3 / 33.6 at M = 16, 7168, 16384), and XLA
-# captures it in the step's CUDA graph, where each jax-triton call is launched by the host on
-# its own and splits the graph (rmsnorm_quant/api.py, decode_impls.json). Grouped (MoE)
+# 7.8 / 7.5 us at M = 1, N, K = 2112, 7168; 34.3 / 33.6 at M = 16, 7168, 16384; 4-15% since
+# Triton's kernel loads its scales a block ahead, fp8_matmul_decode_c1f99c9.json, where a decode
+# step has not been re-timed), and XLA captures it in the step's CUDA graph, where each
+# jax-triton call is launched by the host on its own and splits the graph
+# (rmsnorm_quant/api.py, decode_impls.json). Grouped (MoE)
 # products keep Triton first: the Pallas grouped kernel ran 0-6% behind it at <= 16 rows a
 # product (moe_gemm_pallas.json: 32.2 / 31.3 us for 8 experts of (2048, 7168) at one row, 61.7
 # / 59.8 for 16 experts at 16 rows), 11% at 32; with it first the decode step became one CUDA
