@@ -137,8 +137,9 @@ def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Arra
     # Col-layout scales ([KB, M]) are loaded one K block ahead, as in triton.py (see there why;
     # 1.00-1.05x row layout's time at M = 16, against 1.00-1.13x loaded in their step:
     # fp8_matmul_scale_layout_pallas.json); the index is clamped to the last block, so the final
-    # step's extra read stays in bounds. Row-layout and weight scales ahead too ran 1-5% slower
-    # here, where Triton's kernel gained 1-8% (fp8_matmul_probe_ahead.json).
+    # step's extra read stays in bounds. Row-layout and weight scales ahead too ran up to 5.5%
+    # slower here (9 of 10 cells), where Triton's kernel gained 0.4-8%
+    # (fp8_matmul_probe_ahead.json).
     ahead = a_layout == "col"
 
     def step(kblock, carry):

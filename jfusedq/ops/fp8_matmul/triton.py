@@ -68,8 +68,8 @@ def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.con
   else:
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
   # Scales are loaded one K block ahead (a loop-carried load), so their read overlaps a
-  # block's MMA instead of preceding it: 1-8% faster with row-layout scales than loading them
-  # in their step (fp8_matmul_probe_ahead.json, M = 1 / 16 / 64). Column-layout scales
+  # block's MMA instead of preceding it: 0.4-8% faster with row-layout scales than loading
+  # them in their step (fp8_matmul_probe_ahead.json, M = 1 / 16 / 64). Column-layout scales
   # ([KB, M]) of each block lie in a new stretch of memory (a row's share one L1 line for 32
   # blocks): loaded in their step the loop ran 1.14-1.44x the row layout's time at M = 64
   # (fp8_matmul_scale_layout.json), ahead 0.99-1.14x (fp8_matmul_scale_layout_prefetch.json).
