@@ -7,8 +7,8 @@ between kernels (`idle_us`, `top_gaps`) and any host time the launch queue does 
 (`dispatch_us`: host time to enqueue a step onto an idle device; `enqueue_us`: the same within
 the 32, where a full launch queue can hold the host back). Kernels per step counted from the
 compiled HLO; `graph_launches`: the CUDA graphs XLA launched for a step (one when every kernel
-is captured; each jax-triton kernel is launched by the host between graphs, NOTES.md
-session 7).
+is captured; until session 11 each jax-triton kernel was launched by the host between
+graphs, NOTES.md sessions 7 and 11).
 
 Floor = bytes a step must read, per device, / copy bandwidth. A step reads every weight once
 (`step_bytes`), except:
@@ -32,7 +32,7 @@ paths differ by design (one bf16 rounding of the norm; 0.07-0.47 measured on the
 
 --impls builds the kernel paths more than one way, each timed against its own unfused path:
 `default` (each op's own best order), or one backend for every op that has it, XLA for the
-rest (`pallas`: kernels XLA compiles from Pallas-Triton; `triton`: jax-triton's custom call).
+rest (`pallas`: kernels XLA compiles from Pallas-Triton; `triton`: Triton-language kernels, also compiled by XLA).
 
 Run: python benchmarks/decode.py [--presets deepseek-v3-layers ...] [--batches 1 8 32 64]
      [--tp N] [--context 256] [--wall] [--no-xla-check] [--impls default pallas triton]

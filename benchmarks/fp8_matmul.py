@@ -85,7 +85,7 @@ IMPLS = {
     "xla_bf16": lambda x, qa, qw, sw, wb: x @ wb.T,
     "xla_dequant": lambda x, qa, qw, sw, wb: x @ dequantize_weight(qw, sw).astype(jnp.bfloat16).T,
 }
-# Opt-in columns (--extra): jax-triton's kernel and the Hopper Mosaic GPU kernel.
+# Opt-in columns (--extra): the Triton-language kernel and the Hopper Mosaic GPU kernel.
 EXTRA_IMPLS = {
     "triton": lambda x, qa, qw, sw, wb: fp8_matmul(qa, qw, sw, implementation="triton"),
     "mosaic_gpu": lambda x, qa, qw, sw, wb: fp8_matmul(qa, qw, sw, implementation="mosaic_gpu"),

@@ -5,7 +5,7 @@
 # Left out, as proved on CPU: lowering tests (abstract devices), tests/parallel and test_hlo
 # (meshes of simulated CPU devices), tests/models (they read the HF reference under build/,
 # too big to carry). TESTS=0 skips the tests; TEST_TIMEOUT and BENCH_TIMEOUT (each benchmark)
-# bound the parts. jax-triton: carry `.whl` and install it first (benchmarks/NOTES.md).
+# bound the parts.
 # Usage on the device: bash benchmarks/gpu_run.sh <commit-sha> [name[:flags] ...]
 set -uo pipefail
 commit=${1:?commit sha of the code being measured}; shift
@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1
 out=${OUT:-out}; mkdir -p "$out"
 # WORKERS (default 8) share GPU 0: cap each one's memory pool instead of preallocating 75%.
 # -v prints each result as it lands, so a run cut off by the timeout still names its failures.
-# The triton cases run where jax-triton imports (carry its wheel), and skip elsewhere.
+# The triton cases run where the triton package imports (the GPU machine has it).
 workers=${WORKERS:-8}
 if [ "${TESTS:-1}" != 0 ]; then
   XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.7 / $workers, 3))") \

@@ -7,9 +7,9 @@ K = 2048) over E experts with top-k routing:
 Implementations (activation already quantised, row scales):
   grouped   `grouped_fp8_matmul(..., implementation="triton")`: one launch, weights read in place
   pallas    the same on the Pallas kernel (one launch, experts read in place by `ids`): the
-            only grouped kernel XLA captures in its CUDA graph (jax-triton's is host-launched)
+            grouped kernel written in Pallas (both are captured in XLA's CUDA graph now)
   mapped    `jax.vmap(fp8_matmul)` over `weight[ids]` (Triton): what StackedLinear did before;
-            the gather and jax-triton's sequential vmap copy every product's weight
+            the gather and the launcher's sequential vmap copy every product's weight
   xla       `grouped_fp8_matmul(..., implementation="xla")`: dequantise + dot per product
 Bytes per call = the distinct experts' fp8 weights (U * N * K) + their scales + activations
 and bf16 outputs; roofline = bytes / copy bandwidth measured in the same run. Weights are fresh

@@ -31,10 +31,10 @@ FORMATS = {
 }
 
 
-# implementation="triton" in the shared parametrisations: Triton kernels run through jax-triton
-# on a CUDA or ROCm GPU only.
+# implementation="triton" in the shared parametrisations: Triton kernels, compiled by XLA, on a
+# CUDA or ROCm GPU only.
 TRITON = pytest.param("triton", marks=pytest.mark.skipif(
-    not _triton.available(), reason="triton needs a CUDA or ROCm GPU and jax-triton"))
+    not _triton.available(), reason="triton needs a CUDA or ROCm GPU and the triton package"))
 
 
 def rng(*key) -> np.random.Generator:

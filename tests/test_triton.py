@@ -1,6 +1,7 @@
-"""The optional Triton backend, as far as CPU proves it: the jax-triton API shim, the error an
-explicit implementation="triton" gives where it cannot run, and every kernel compiled ahead of
-time for sm90, gfx942 and gfx950 (where the `triton` package is installed)."""
+"""The optional Triton backend, as far as CPU proves it: the launcher's argument handling, the
+error an explicit implementation="triton" gives where it cannot run, every kernel lowered into
+XLA's Triton custom call for sm90, gfx942 and gfx950 (its TTIR read by XLA's own Triton
+dialect), and every kernel compiled ahead of time for those targets by the installed Triton."""
 
 import re
 
@@ -14,29 +15,19 @@ from jfusedq import (Fp8Format, Unsupported, _triton, fp8_matmul, group_quant, g
                      rmsnorm, rmsnorm_quant)
 from jfusedq.nn import StackedLinear, quantize_weight
 from jfusedq.ops.fp8_matmul import Config
+from helpers import TRITON_CALL, lower
 
 
-def test_out_keyword_follows_the_installed_api():
-  def triton_call_03(*args, kernel, out_shape, grid, name="", **metaparams):
-    pass
-
-  def triton_call_04(*args, kernel, out_type=None, grid, name="", **kwargs):
-    pass
-
-  assert _triton.out_keyword(triton_call_03) == "out_shape"
-  assert _triton.out_keyword(triton_call_04) == "out_type"
-
-
-def test_call_passes_the_shape_keyword_and_scalars(monkeypatch):
+def test_call_passes_arrays_scalars_and_keywords(monkeypatch):
   seen = {}
 
-  class FakeJaxTriton:
+  class FakeLauncher:
     @staticmethod
-    def triton_call(*args, kernel, out_type=None, grid, name="", **kwargs):
-      seen.update(args=args, kernel=kernel, out_type=out_type, grid=grid, kwargs=kwargs)
-      return jnp.zeros(out_type.shape, out_type.dtype)
+    def triton_call(*args, kernel, out_shape, grid, **kwargs):
+      seen.update(args=args, kernel=kernel, out_shape=out_shape, grid=grid, kwargs=kwargs)
+      return jnp.zeros(out_shape.shape, out_shape.dtype)
 
-  monkeypatch.setattr(_triton, "require", lambda target=None: FakeJaxTriton)
+  monkeypatch.setattr(_triton, "require", lambda target=None: FakeLauncher)
   x = jnp.ones((4, 8))
   out = _triton.call("kernel", x, 4, out_shape=jax.ShapeDtypeStruct((4,), jnp.float32), grid=(2,),
                      BLOCK=8)
@@ -54,21 +45,19 @@ def test_explicit_triton_on_cpu_names_what_is_missing():
            lambda: rmsnorm(x, w, implementation="triton"),
            lambda: fp8_matmul(x, qw, sw, implementation="triton")]
   for call in calls:
-    with pytest.raises(Unsupported, match=r"triton needs a CUDA or ROCm GPU \(and jax-triton\)"):
+    with pytest.raises(Unsupported, match=r"triton needs a CUDA or ROCm GPU \(and the triton package\)"):
       call()
   assert not _triton.available()
 
 
 # --- ahead-of-time compile of every Triton kernel for sm90, gfx942 and gfx950 ---------------
-# The public ops run with jax-triton replaced by a recorder (their outputs are zeros: only the
+# The public ops run with the launcher replaced by a recorder (their outputs are zeros: only the
 # recorded kernel, arguments and constexprs matter), then each recorded call is compiled by
 # Triton itself for the target: the Triton path's counterpart of the Pallas lowering tests.
 
 AOT = {"h200": ("cuda", "NVIDIA H200", 90, 32), "gfx942": ("rocm", "gfx942", "gfx942", 64),
        "gfx950": ("rocm", "gfx950", "gfx950", 64)}
-# jax-triton's pointer types per dtype.
-PTR = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32", "uint8": "*u8",
-       "int32": "*i32", "float8_e4m3fn": "*fp8e4nv", "float8_e4m3fnuz": "*fp8e4b8"}
+PTR = _triton.POINTER
 
 
 class Recorder:
@@ -76,10 +65,9 @@ class Recorder:
     self.calls = []
     self.launches = []  # (name, grid)
 
-  def triton_call(self, *args, kernel, out_shape, grid, name="", num_warps=4, num_stages=3,
-                  **constexprs):
+  def triton_call(self, *args, kernel, out_shape, grid, num_warps=4, num_stages=3, **constexprs):
     self.calls.append((kernel, args, out_shape, num_warps, num_stages, constexprs))
-    self.launches.append((name, grid))
+    self.launches.append((kernel.__name__, grid))
     many = isinstance(out_shape, (list, tuple))
     outs = [jnp.zeros(s.shape, s.dtype) for s in (out_shape if many else [out_shape])]
     return outs if many else outs[0]
@@ -90,7 +78,7 @@ def recorded_calls(monkeypatch, target, ops, recorder=None):
   platform, kind = AOT[target][:2]
   recorder = recorder or Recorder()
   monkeypatch.setattr(_target, "current", lambda: _target.Target(platform, kind))
-  monkeypatch.setattr(_triton, "_jax_triton", lambda: recorder)
+  monkeypatch.setattr(_triton, "_launcher", lambda: recorder)
   for op in ops:
     op()
   return recorder.calls
@@ -109,7 +97,7 @@ def test_experts_run_in_one_launch(monkeypatch):
   recorder = Recorder()
   recorded_calls(monkeypatch, "h200", [lambda: layer(x), lambda: layer(h, batched=True),
                                        lambda: layer.gathered(x, idx)], recorder)
-  gemms = [grid for name, grid in recorder.launches if name == "fp8_matmul"]
+  gemms = [grid for name, grid in recorder.launches if name == "fp8_matmul_kernel"]
   assert [grid[2] for grid in gemms] == [5, 5, 6]
 
 
@@ -125,13 +113,13 @@ def compile_call(target, call):
   assert len(types) + len(constexprs) == len(names), (names, types, constexprs)
   signature = dict(zip([n for n in names if n not in constexprs], types))
   signature.update({n: "constexpr" for n in constexprs})
-  # jax-triton hands every array over 16-byte aligned.
+  # XLA hands every array over 16-byte aligned.
   attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
            if signature[n].startswith("*")}
   src = ASTSource(kernel, signature=signature, constexprs=dict(constexprs), attrs=attrs)
   platform, _, arch, warp = AOT[target]
   gpu = GPUTarget("cuda" if platform == "cuda" else "hip", arch, warp)
-  # FP fusion on, as jax-triton compiles (and explicit: Triton 3.10 changes the default).
+  # FP fusion on, Triton's default up to 3.9 (explicit: Triton 3.10 changes it).
   return triton.compile(src, target=gpu, options=dict(num_warps=num_warps, num_stages=num_stages,
                                                       enable_fp_fusion=True))
 
@@ -193,3 +181,33 @@ def test_matmul_compiles_to_fp8_mma(monkeypatch, target):
       assert "wgmma.mma_async" in asm["ptx"] and "e4m3.e4m3" in asm["ptx"]
     else:  # fp8 MFMA: ..._fp8_fp8 on gfx942 (fnuz), ..._f8f6f4 on gfx950
       assert re.search(r"v_mfma_f32_\w+_(fp8_fp8|f8f6f4)", asm["amdgcn"])
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("target", AOT)
+def test_kernels_lower_into_xla_triton_calls(target):
+  # Each op lowers to XLA's Triton custom call (the one Pallas uses, captured in CUDA graphs),
+  # its TTIR parsed by jaxlib's Triton dialect, and never to jax-triton's legacy custom call.
+  pytest.importorskip("triton")
+  fmt = Fp8Format.e4m3fnuz() if target == "gfx942" else Fp8Format.e4m3fn()
+  for op in [*row_ops(), *matmul_ops(fmt)]:
+    text = lower(target, op)
+    assert text.count(TRITON_CALL) == 1 and "triton_kernel_call" not in text
+
+
+@pytest.mark.lowering
+def test_row_count_is_a_constant_of_the_kernel():
+  # Python scalars are baked into the TTIR: two row counts, two kernels; the same count, one.
+  pytest.importorskip("triton")
+  config = lambda text: re.search(r'ir = "([^"]*)"', text).group(1)
+  texts = [lower("h200", lambda x: group_quant(x, implementation="triton"),
+                 jax.ShapeDtypeStruct((t, 512), jnp.bfloat16)) for t in (5, 6, 5)]
+  assert config(texts[0]) != config(texts[1]) and config(texts[0]) == config(texts[2])
+
+
+def test_launcher_rejects_a_wrong_argument_count():
+  pytest.importorskip("triton")
+  from jfusedq.ops.group_quant.triton import group_quant_kernel
+  with pytest.raises(TypeError, match="group_quant_kernel takes"):
+    _triton.XlaLauncher.triton_call(jnp.ones((2, 128), jnp.bfloat16), kernel=group_quant_kernel,
+                                    out_shape=[], grid=(1,))

@@ -2,8 +2,8 @@
 
     python -m pytest -p tests.triton_interpret -k triton tests/ops tests/nn
 
-Makes the target an NVIDIA H200 and replaces jax-triton with a `jax.pure_callback` that runs
-each kernel in Triton's interpreter over numpy buffers (torch, which the interpreter expects,
+Makes the target an NVIDIA H200 and replaces the launcher (XLA's Triton custom call) with a
+`jax.pure_callback` that runs each kernel in Triton's interpreter over numpy buffers (torch, which the interpreter expects,
 is not needed).
 Every masked-in address a kernel loads or stores is checked against the call's own arrays, so
 an out-of-bounds access fails the test instead of passing unseen, and outputs start poisoned
@@ -38,7 +38,7 @@ def pytest_configure(config):
   real = _target.current
   _target.current = lambda: (_target.Target("cuda", "NVIDIA H200") if real().platform == "cpu"
                              else real())
-  _triton._jax_triton = lambda: _FakeJaxTriton
+  _triton._launcher = lambda: _Interpreter
 
 
 class _DType:
@@ -104,10 +104,10 @@ def _poisoned(shape, dtype) -> np.ndarray:
   return np.full(int(np.prod(shape)) * size, 0x7F, np.uint8).view(_UINT[size]).reshape(shape)
 
 
-class _FakeJaxTriton:
+class _Interpreter:
   @staticmethod
-  def triton_call(*args, kernel, out_shape, grid, name="", num_warps=4, num_stages=3, **meta):
-    del name, num_warps, num_stages
+  def triton_call(*args, kernel, out_shape, grid, num_warps=4, num_stages=3, **meta):
+    del num_warps, num_stages
     many = isinstance(out_shape, (list, tuple))
     shapes = list(out_shape) if many else [out_shape]
     arrays = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]

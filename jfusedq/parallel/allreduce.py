@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,7 +50,6 @@ from jfusedq.ops._dispatch import Unsupported
 from jfusedq.ops.group_quant import group_quant
 from jfusedq.ops.rmsnorm import rmsnorm
 from jfusedq.ops.rmsnorm_quant import rmsnorm_quant
-from jfusedq.ops.rmsnorm_quant.api import gpu_order as rmsnorm_quant_order
 
 log = logging.getLogger("jfusedq")
 
@@ -125,18 +123,18 @@ def _resolve(op: str, strategy, build: Callable[[str], Any], log_choice: bool = 
   raise Unsupported(f"{op}: no strategy could run this call: " + "; ".join(skipped))
 
 
-def _op_impl(implementation, gpu_order: Sequence[str] = _dispatch.GPU_ORDER):
+def _op_impl(implementation):
   # With no implementation asked for, the kernel strategies ask an op for its kernel backends
   # only (best first on GPU; XLA alone on CPU): when every kernel declines, the strategy falls
   # through, instead of the op quietly running its XLA path under the strategy's name.
   if implementation is not None:
     return implementation
-  order = _dispatch.default_order(gpu=gpu_order)
+  order = _dispatch.default_order()
   return tuple(name for name in order if name != "xla") or order
 
 
 def _fused(h, residual, weight, *, keep_bf16, implementation, **kw):
-  impl = _op_impl(implementation, rmsnorm_quant_order(math.prod(h.shape[:-1])))
+  impl = _op_impl(implementation)
   out = rmsnorm_quant(h, weight, residual=residual, keep_hp=keep_bf16, implementation=impl, **kw)
   return out.quant, out.residual
 

@@ -17,11 +17,11 @@ from jfusedq.ops.fp8_matmul import mosaic_gpu, pallas, reference, triton
 from jfusedq.ops.group_quant import group_quant
 
 BLOCK = reference.BLOCK
-# Measured on the H200 (benchmarks/results/fp8_matmul_*.json): the jax-triton kernel ran
-# 1.16-1.75x the Pallas one at M = 64 and 2.0-2.3x at M = 4096, where the Pallas-Triton
-# lowering feeds fp8 to f16 mma.sync instead of fp8 wgmma. Without jax-triton it declines and
-# Pallas runs.
-GPU_ORDER = ("triton", "pallas", "xla")
+# Measured on the H200 (benchmarks/results/fp8_matmul_*.json): the Triton kernel ran 1.16-1.75x
+# as fast as the Pallas one at M = 64, 2.0-2.3x at M = 4096 (the Pallas-Triton lowering feeds
+# fp8 to f16 mma.sync instead of fp8 wgmma), 4-15% at M <= 16 (fp8_matmul_decode_c1f99c9.json).
+# Without `triton` installed it declines and Pallas runs (_dispatch.GPU_ORDER).
+GPU_ORDER = _dispatch.GPU_ORDER
 # At M = 4096 on the H200 (results/fp8_matmul_m4096_persistent.json, one run) the warp-
 # specialised Mosaic GPU kernel ran 1.10x / 1.07x / 1.09x / 1.08x XLA's bf16 dot at (N, K) =
 # (2112, 7168) / (24576, 1536) / (12288, 4096) / (4096, 8192), where Triton ran 0.89x / 0.88x /
@@ -29,24 +29,12 @@ GPU_ORDER = ("triton", "pallas", "xla")
 # So it goes first there, where it was measured to win; it declines off Hopper and for shapes
 # it cannot tile, and the order goes on. M = 256-2048 has not been measured for it.
 MOSAIC_MIN_M, MOSAIC_MAX_K = 4096, 8192
-# At M <= 16 the Pallas kernel ran within 5% of the jax-triton one (fp8_matmul_decode.json:
-# 7.8 / 7.5 us at M = 1, N, K = 2112, 7168; 34.3 / 33.6 at M = 16, 7168, 16384; 4-15% since
-# Triton's kernel loads its scales a block ahead, fp8_matmul_decode_c1f99c9.json, where a decode
-# step has not been re-timed), and XLA captures it in the step's CUDA graph, where each
-# jax-triton call is launched by the host on its own and splits the graph
-# (rmsnorm_quant/api.py, decode_impls.json). Grouped (MoE)
-# products keep Triton first: the Pallas grouped kernel ran 0-6% behind it at <= 16 rows a
-# product (moe_gemm_pallas.json: 32.2 / 31.3 us for 8 experts of (2048, 7168) at one row, 61.7
-# / 59.8 for 16 experts at 16 rows), 11% at 32; with it first the decode step became one CUDA
-# graph, but its kernel sum rose by 17-28 us and the step got no faster (decode_grouped_pallas
-# .json against decode_final.json / decode_pallasfirst.json: -0.2% to +2.3%).
-PALLAS_MAX_M = 16
+# Grouped (MoE) products: Triton first as well; the Pallas grouped kernel ran 0-6% behind it
+# at <= 16 rows a product (moe_gemm_pallas.json), 11% at 32.
 
 
 def gpu_order(m: int, k: int) -> tuple[str, ...]:
   """The GPU backends for an `[M, K]` activation, best first (measured, above)."""
-  if m <= PALLAS_MAX_M:
-    return _dispatch.GPU_ORDER
   return ("mosaic_gpu", *GPU_ORDER) if m >= MOSAIC_MIN_M and k <= MOSAIC_MAX_K else GPU_ORDER
 
 

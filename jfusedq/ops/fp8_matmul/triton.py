@@ -140,7 +140,7 @@ def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Arra
                else jax.ShapeDtypeStruct((splits, b, m, n), jnp.float32))
   out = _triton.call(
       fp8_matmul_kernel, qa, sa, qw, sw, ids, m, out_shape=out_shape,
-      grid=(-(-m // bm) * -(-n // bn), splits, b), name="fp8_matmul",
+      grid=(-(-m // bm) * -(-n // bn), splits, b),
       num_warps=config.num_warps, num_stages=config.num_stages, N=n, K=k, BLOCK_M=bm,
       BLOCK_N=bn, PER_SPLIT=-(-kb // splits), A_COL=a_layout == "col", GROUP_M=GROUP_M,
       # Hopper's fp8 MMA (wgmma) needs 64 rows in M: with fewer tokens, compute w . a^T so

@@ -147,6 +147,6 @@ def group_quant(x: jax.Array, fmt: Fp8Format, *, group_size: int, layout: str, u
   q, scale = _triton.call(
       group_quant_kernel, x, rows,
       out_shape=quant_out_shapes(rows, k, fmt, group_size, layout, target),
-      grid=(-(-rows // bt),), name="group_quant", num_warps=config.num_warps, num_stages=1,
+      grid=(-(-rows // bt),), num_warps=config.num_warps, num_stages=1,
       K=k, BLOCK_K=width, BLOCK_ROWS=bt, **quant_params(fmt, group_size, layout, ue8m0, target))
   return to_fp8(q, fmt), scale

@@ -9,29 +9,16 @@ import jax
 
 from jfusedq.fp8 import Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.ops import _common
-from jfusedq.ops import _dispatch
 from jfusedq.ops._dispatch import dispatch
 from jfusedq.ops.group_quant import pallas as gq_pallas
 from jfusedq.ops.rmsnorm_quant import pallas, reference, triton
 from jfusedq.ops.rmsnorm_quant.reference import RmsNormQuantOutput
 
 
-# Measured on the H200 (benchmarks/results/rmsnorm_quant_triton.json): the jax-triton kernel ran
-# 1.05-1.4x the Pallas one at every T and H (0.90-0.92 of copy bandwidth at T = 16384, where
-# Pallas reached 0.83-0.85). Without jax-triton it declines and Pallas runs.
-GPU_ORDER = ("triton", "pallas", "xla")
-# But a jax-triton kernel is a custom call XLA cannot put in the CUDA graph it launches a step
-# as (only FFI handlers marked command-buffer compatible go in): each one is launched by the
-# host on its own (10 us of host time a call in the decode traces, decode_impls.json) and splits
-# the graph, while a Pallas kernel is compiled by XLA and captured. At decode sizes the two
-# kernels differ by under a microsecond (2.1 / 1.9 us at T = 1, 3.4 / 2.6 at T = 64), so there
-# Pallas goes first.
-PALLAS_MAX_ROWS = 64
-
-
-def gpu_order(rows: int) -> tuple[str, ...]:
-  """The GPU backends for `rows` rows, best first (measured, above)."""
-  return _dispatch.GPU_ORDER if rows <= PALLAS_MAX_ROWS else GPU_ORDER
+# Measured on the H200 (benchmarks/results/rmsnorm_quant_triton.json): the Triton kernel ran
+# 1.05-1.4x as fast as the Pallas one at every T and H (0.90-0.92 of copy bandwidth at
+# T = 16384, where Pallas reached 0.83-0.85); the default order (_dispatch.GPU_ORDER) has it
+# first. Without `triton` installed it declines and Pallas runs.
 
 
 def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None = None,
@@ -60,7 +47,7 @@ def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None
     keep_hp: also return the normalised activation in x.dtype (`quant.hp`).
     x2, weight2, eps2: the optional second, norm-only input (eps2 defaults to eps).
     implementation: "triton", "pallas", "xla", a sequence tried in order, or None
-      (`gpu_order(rows)` on a GPU, else XLA).
+      (`_dispatch.GPU_ORDER` on a GPU, else XLA).
     config: rows and warps per program (Pallas and Triton); default from each one's heuristics.
   Returns:
     RmsNormQuantOutput(quant, residual, norm2); residual / norm2 are None when not asked for.
@@ -93,8 +80,7 @@ def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None
     return run
 
   return dispatch("rmsnorm_quant", {"pallas": rowwise(pallas), "triton": rowwise(triton),
-                                    "xla": xla}, implementation,
-                  gpu_order=gpu_order(math.prod(x.shape[:-1])))
+                                    "xla": xla}, implementation)
 
 
 def check_inputs(x, weight, residual, group_size, layout, x2, weight2) -> None:

@@ -4,7 +4,7 @@ One program owns `block_rows` whole rows, each a masked power-of-two block in re
 `group_quant.triton`), so the row statistic, the group amax and the quantisation need no second
 read: bytes moved = x (+ residual in, residual out) + fp8 codes + scales (+ bf16 copy) (+ x2 in
 and out). Absent inputs are bound to x (never read) and absent outputs to one-element buffers
-(never written): a Triton signature is fixed, and jax-triton takes arrays only.
+(never written): a Triton signature is fixed, and optional pointers would need a kernel each.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format | N
   q, scale, res_out, hp, norm2 = _triton.call(
       rmsnorm_quant_kernel, x, residual if has_res else x, weight, x2 if has_x2 else x,
       weight2 if has_x2 else weight, rows, out_shape=out_shape, grid=(-(-rows // bt),),
-      name="rmsnorm_quant", num_warps=config.num_warps, num_stages=1, K=k, BLOCK_K=width,
+      num_warps=config.num_warps, num_stages=1, K=k, BLOCK_K=width,
       K2=k2, BLOCK_K2=width2, BLOCK_ROWS=bt, EPS=eps, EPS2=eps2 if has_x2 else eps,
       OFFSET=weight_offset, HAS_RES=has_res, KEEP_HP=keep_hp, HAS_X2=has_x2, QUANT=fmt is not None,
       **params)
