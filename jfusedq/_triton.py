@@ -74,20 +74,42 @@ def _gpu_target(target: _target.Target):
   return GPUTarget("cuda", cc, 32)
 
 
+def signature(kernel, args, outs, constexprs) -> tuple[tuple, tuple]:
+  """(argument types, constants) of `kernel` called on `args` (arrays and Python scalars)
+  writing `outs`, as sorted item tuples: arrays become pointers, scalars constants."""
+  runtime = [n for n in kernel.arg_names if n not in constexprs]
+  if len(runtime) != len(args) + len(outs):
+    raise TypeError(f"{kernel.__name__} takes {runtime} besides its constexprs; got "
+                    f"{len(args)} arguments and {len(outs)} outputs")
+  types, consts = {}, dict(constexprs)
+  for n, a in zip(runtime, [*args, *outs]):
+    if hasattr(a, "dtype") and hasattr(a, "shape"):
+      types[n] = POINTER[jnp.dtype(a.dtype).name]
+    else:
+      consts[n] = a
+  types.update({n: "constexpr" for n in consts})
+  return tuple(sorted(types.items())), tuple(sorted(consts.items()))
+
+
+def source(kernel, types, consts):
+  """Triton's ASTSource of `kernel` for a `signature`."""
+  from triton.compiler import ASTSource
+  types = dict(types)
+  # Every array is handed over 16-byte aligned, as XLA allocates them.
+  attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+           if types[n].startswith("*")}
+  return ASTSource(kernel, signature=types, constexprs=dict(consts), attrs=attrs)
+
+
 @functools.cache
-def _ttir(kernel, signature, constexprs, num_warps, num_stages, gpu) -> bytes:
+def _ttir(kernel, types, consts, num_warps, num_stages, gpu) -> bytes:
   """MLIR bytecode of `kernel`'s TTIR, parsed by jaxlib's Triton dialect (XLA's own), so a
   module XLA could not read fails here, at lowering, not inside XLA's compiler."""
   from jax._src.lib import triton as jaxlib_triton
   from triton._C.libtriton import ir as triton_ir
-  from triton.compiler import ASTSource
   from triton.compiler.compiler import make_backend
 
-  signature, constexprs = dict(signature), dict(constexprs)
-  # Every array is handed over 16-byte aligned, as XLA allocates them.
-  attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
-           if signature[n].startswith("*")}
-  src = ASTSource(kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+  src = source(kernel, types, consts)
   backend = make_backend(gpu)
   options = backend.parse_options(dict(num_warps=num_warps, num_stages=num_stages))
   context = triton_ir.context()
@@ -138,19 +160,8 @@ class XlaLauncher:
   def triton_call(*args, kernel, out_shape, grid, num_warps=4, num_stages=3, **constexprs):
     many = isinstance(out_shape, (list, tuple))
     outs = list(out_shape) if many else [out_shape]
-    runtime = [n for n in kernel.arg_names if n not in constexprs]
-    if len(runtime) != len(args) + len(outs):
-      raise TypeError(f"{kernel.__name__} takes {runtime} besides its constexprs; got "
-                      f"{len(args)} arguments and {len(outs)} outputs")
-    signature, consts = {}, dict(constexprs)
-    for n, a in zip(runtime, [*args, *outs]):
-      if hasattr(a, "dtype") and hasattr(a, "shape"):
-        signature[n] = POINTER[jnp.dtype(a.dtype).name]
-      else:
-        consts[n] = a
-    signature.update({n: "constexpr" for n in consts})
-    ttir = _ttir(kernel, tuple(sorted(signature.items())), tuple(sorted(consts.items())),
-                 num_warps, num_stages, _gpu_target(_target.current()))
+    ttir = _ttir(kernel, *signature(kernel, args, outs, constexprs), num_warps, num_stages,
+                 _gpu_target(_target.current()))
     grid = tuple(grid) + (1,) * (3 - len(grid))
     res = triton_call_p.bind(
         *(a for a in args if isinstance(a, jax.Array)),

@@ -45,7 +45,8 @@ def test_explicit_triton_on_cpu_names_what_is_missing():
            lambda: rmsnorm(x, w, implementation="triton"),
            lambda: fp8_matmul(x, qw, sw, implementation="triton")]
   for call in calls:
-    with pytest.raises(Unsupported, match=r"triton needs a CUDA or ROCm GPU \(and the triton package\)"):
+    with pytest.raises(Unsupported,
+                       match=r"triton needs a CUDA or ROCm GPU \(and the triton package\)"):
       call()
   assert not _triton.available()
 
@@ -57,7 +58,6 @@ def test_explicit_triton_on_cpu_names_what_is_missing():
 
 AOT = {"h200": ("cuda", "NVIDIA H200", 90, 32), "gfx942": ("rocm", "gfx942", "gfx942", 64),
        "gfx950": ("rocm", "gfx950", "gfx950", 64)}
-PTR = _triton.POINTER
 
 
 class Recorder:
@@ -104,19 +104,10 @@ def test_experts_run_in_one_launch(monkeypatch):
 def compile_call(target, call):
   triton = pytest.importorskip("triton")
   from triton.backends.compiler import GPUTarget
-  from triton.compiler import ASTSource
   kernel, args, out_shape, num_warps, num_stages, constexprs = call
   outs = out_shape if isinstance(out_shape, (list, tuple)) else [out_shape]
-  types = [PTR[jnp.dtype(a.dtype).name] if hasattr(a, "dtype") else "i32" for a in args]
-  types += [PTR[jnp.dtype(o.dtype).name] for o in outs]
-  names = kernel.arg_names
-  assert len(types) + len(constexprs) == len(names), (names, types, constexprs)
-  signature = dict(zip([n for n in names if n not in constexprs], types))
-  signature.update({n: "constexpr" for n in constexprs})
-  # XLA hands every array over 16-byte aligned.
-  attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-           if signature[n].startswith("*")}
-  src = ASTSource(kernel, signature=signature, constexprs=dict(constexprs), attrs=attrs)
+  # The source the launcher hands XLA: arrays as aligned pointers, scalars as constants.
+  src = _triton.source(kernel, *_triton.signature(kernel, args, outs, constexprs))
   platform, _, arch, warp = AOT[target]
   gpu = GPUTarget("cuda" if platform == "cuda" else "hip", arch, warp)
   # FP fusion on, Triton's default up to 3.9 (explicit: Triton 3.10 changes it).
@@ -209,5 +200,4 @@ def test_launcher_rejects_a_wrong_argument_count():
   pytest.importorskip("triton")
   from jfusedq.ops.group_quant.triton import group_quant_kernel
   with pytest.raises(TypeError, match="group_quant_kernel takes"):
-    _triton.XlaLauncher.triton_call(jnp.ones((2, 128), jnp.bfloat16), kernel=group_quant_kernel,
-                                    out_shape=[], grid=(1,))
+    _triton.signature(group_quant_kernel, [jnp.ones((2, 128), jnp.bfloat16)], [], {})

@@ -21,7 +21,6 @@ BLOCK = reference.BLOCK
 # as fast as the Pallas one at M = 64, 2.0-2.3x at M = 4096 (the Pallas-Triton lowering feeds
 # fp8 to f16 mma.sync instead of fp8 wgmma), 4-15% at M <= 16 (fp8_matmul_decode_c1f99c9.json).
 # Without `triton` installed it declines and Pallas runs (_dispatch.GPU_ORDER).
-GPU_ORDER = _dispatch.GPU_ORDER
 # At M = 4096 on the H200 (results/fp8_matmul_m4096_persistent.json, one run) the warp-
 # specialised Mosaic GPU kernel ran 1.10x / 1.07x / 1.09x / 1.08x XLA's bf16 dot at (N, K) =
 # (2112, 7168) / (24576, 1536) / (12288, 4096) / (4096, 8192), where Triton ran 0.89x / 0.88x /
@@ -35,7 +34,8 @@ MOSAIC_MIN_M, MOSAIC_MAX_K = 4096, 8192
 
 def gpu_order(m: int, k: int) -> tuple[str, ...]:
   """The GPU backends for an `[M, K]` activation, best first (measured, above)."""
-  return ("mosaic_gpu", *GPU_ORDER) if m >= MOSAIC_MIN_M and k <= MOSAIC_MAX_K else GPU_ORDER
+  order = _dispatch.GPU_ORDER
+  return ("mosaic_gpu", *order) if m >= MOSAIC_MIN_M and k <= MOSAIC_MAX_K else order
 
 
 def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_scale: jax.Array, *,
@@ -150,7 +150,7 @@ def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
 
   backends = {"triton": in_place(triton), "pallas": in_place(pallas),
               "mosaic_gpu": per_product("mosaic_gpu"), "xla": per_product("xla")}
-  out = dispatch("grouped_fp8_matmul", backends, implementation, gpu_order=GPU_ORDER)
+  out = dispatch("grouped_fp8_matmul", backends, implementation)
   return out.reshape(b, *lead, n)
 
 
