@@ -357,25 +357,34 @@ def test_mosaic_gpu_lowers(target, persistent):
   assert "mosaic_gpu" in lower(target, fn, *args)
 
 
-@pytest.mark.parametrize("m,k,first", [(1, 7168, "triton"), (16, 16384, "triton"),
-                                       (17, 7168, "triton"), (64, 1536, "triton"),
-                                       (4096, 1536, "mosaic_gpu"), (4096, 8192, "mosaic_gpu"),
-                                       (4096, 16384, "triton")])
-def test_gpu_order(m, k, first):
-  # Triton below M = 4096 (4-15% ahead of Pallas at M <= 16, 1.16-1.75x at M = 64, and since
-  # both go to XLA's Triton custom call, both in the step's CUDA graph); M >= 4096: Mosaic GPU
-  # where it was measured ahead; Pallas after Triton, for machines without `triton`.
-  assert mm_api.gpu_order(m, k)[0] == first
-  assert mm_api.gpu_order(m, k)[-2:] == ("pallas", "xla")
+@pytest.mark.parametrize("m,n,k,first", [
+    (1, 2112, 7168, "triton"), (16, 7168, 16384, "triton"), (17, 2112, 7168, "triton"),
+    (64, 24576, 1536, "triton"), (255, 24576, 1536, "triton"),
+    (256, 2112, 7168, "triton"),  # 2 x 11 tiles of 128 x 192: a sixth of the SMs
+    (256, 4096, 8192, "triton"),  # 2 x 32 tiles: 64, under half of 132
+    (256, 12288, 4096, "mosaic_gpu"),  # 2 x 64 tiles
+    (1024, 2112, 7168, "mosaic_gpu"), (4096, 24576, 1536, "mosaic_gpu"),
+    (4096, 7168, 16384, "triton"),  # K > 8192
+    (4096, 2100, 7168, "triton")])  # N % 64: the Mosaic GPU kernel cannot tile it
+def test_gpu_order(monkeypatch, m, n, k, first):
+  # Triton where M < 256 (4-15% ahead of Pallas at M <= 16, 1.16-1.75x at M = 64, and since
+  # both go to XLA's Triton custom call, both in the step's CUDA graph); from M = 256, Mosaic GPU
+  # where its tiles cover half the H200's SMs and K <= 8192 (measured ahead there); Pallas after
+  # Triton, for machines without `triton`.
+  from jfusedq import _target
+  monkeypatch.setattr(_target, "current", lambda: _target.Target("cuda", "NVIDIA H200"))
+  assert mm_api.gpu_order(m, n, k)[0] == first
+  assert mm_api.gpu_order(m, n, k)[-2:] == ("pallas", "xla")
 
 
 @pytest.mark.lowering
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("m,k,mosaic", [(4096, 1536, True), (4096, 16384, False),
-                                        (2048, 1536, False)])
+                                        (1024, 1536, True), (256, 1536, False)])
 def test_default_order_lowers(target, m, k, mosaic):
   # With no implementation asked for, Hopper runs the Mosaic GPU kernel where it was measured
-  # to win (M >= 4096, K <= 7168: api.gpu_order) and the portable kernels elsewhere; ROCm never.
+  # to win (api.gpu_order: M >= 256, K <= 8192, its tiles on half the SMs; N = 2112 here, so
+  # M = 256 has 22 tiles) and the portable kernels elsewhere; ROCm never.
   S = jax.ShapeDtypeStruct
   fp8 = jnp.float8_e4m3fnuz if target == "gfx942" else jnp.float8_e4m3fn
 

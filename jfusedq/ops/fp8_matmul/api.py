@@ -21,21 +21,27 @@ BLOCK = reference.BLOCK
 # as fast as the Pallas one at M = 64, 2.0-2.3x at M = 4096 (the Pallas-Triton lowering feeds
 # fp8 to f16 mma.sync instead of fp8 wgmma), 4-15% at M <= 16 (fp8_matmul_decode_c1f99c9.json).
 # Without `triton` installed it declines and Pallas runs (_dispatch.GPU_ORDER).
-# At M = 4096 on the H200 (results/fp8_matmul_m4096_persistent.json, one run) the warp-
-# specialised Mosaic GPU kernel ran 1.10x / 1.07x / 1.09x / 1.08x XLA's bf16 dot at (N, K) =
-# (2112, 7168) / (24576, 1536) / (12288, 4096) / (4096, 8192), where Triton ran 0.89x / 0.88x /
-# 1.01x / 1.06x; at K = 16384 Triton was ahead (1.16x against 1.06x, fp8_matmul_mosaic.json).
-# So it goes first there, where it was measured to win; it declines off Hopper and for shapes
-# it cannot tile, and the order goes on. M = 256-2048 has not been measured for it.
-MOSAIC_MIN_M, MOSAIC_MAX_K = 4096, 8192
+# The warp-specialised Mosaic GPU kernel (Hopper) goes first where it was measured ahead of
+# Triton: M >= 4096 (results/fp8_matmul_m4096_persistent.json: 1.07-1.10x XLA's bf16 dot where
+# Triton ran 0.88-1.06x) and, with XLA's Triton building the Triton kernel, from M = 256 where
+# its 128-row tiles cover at least half the SMs (results/fp8_matmul_s12_mid.json, one run, K <=
+# 8192: 1.17-1.77x Triton's speed at M = 1024, 1.19x / 1.40x at M = 256 with 256 / 128 tiles;
+# with 22 / 64 tiles at M = 256 it ran 0.61x / 0.78x Triton's). At K = 16384 the two tie or
+# Triton leads (fp8_matmul_mosaic.json, s12_mid). Off Hopper it declines and the order goes on.
+MOSAIC_MIN_M, MOSAIC_MAX_K = 256, 8192
 # Grouped (MoE) products: Triton first as well; the Pallas grouped kernel ran 0-6% behind it
 # at <= 16 rows a product (moe_gemm_pallas.json), 11% at 32.
 
 
-def gpu_order(m: int, k: int) -> tuple[str, ...]:
-  """The GPU backends for an `[M, K]` activation, best first (measured, above)."""
+def gpu_order(m: int, n: int, k: int) -> tuple[str, ...]:
+  """The GPU backends for an `[M, K]` activation and an `[N, K]` weight, best first (measured,
+  above)."""
   order = _dispatch.GPU_ORDER
-  return ("mosaic_gpu", *order) if m >= MOSAIC_MIN_M and k <= MOSAIC_MAX_K else order
+  if m < MOSAIC_MIN_M or k > MOSAIC_MAX_K or n % 64:
+    return order
+  tiles = -(-m // mosaic_gpu.BLOCK_M) * (n // mosaic_gpu.heuristics(m, n, k).block_n)
+  sms = pallas.sm_count(_target.current().device_kind)
+  return ("mosaic_gpu", *order) if 2 * tiles >= sms else order
 
 
 def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_scale: jax.Array, *,
@@ -57,7 +63,7 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
     weight: `[N, K]` float8_e4m3fn or float8_e4m3fnuz; any N, K.
     weight_scale: `[ceil(N/128), ceil(K/128)]` float32.
     implementation: "triton", "pallas", "mosaic_gpu" (Hopper), "xla", a sequence tried in
-      order, or None (`gpu_order(M, K)` on a GPU, else XLA).
+      order, or None (`gpu_order(M, N, K)` on a GPU, else XLA).
     config: tiling: `pallas.Config` (Pallas and Triton; default `pallas.heuristics` /
       `triton.heuristics`, by M and device) or `mosaic_gpu.Config`.
   """
@@ -86,7 +92,7 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
               "mosaic_gpu": tiled(mosaic_gpu, mosaic_gpu.heuristics),
               "xla": xla}
   return dispatch("fp8_matmul", backends, implementation,
-                  gpu_order=gpu_order(math.prod(qa.q.shape[:-1]), k))
+                  gpu_order=gpu_order(math.prod(qa.q.shape[:-1]), n, k))
 
 
 def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
