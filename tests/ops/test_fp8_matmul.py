@@ -367,7 +367,7 @@ def test_mosaic_gpu_lowers(target, persistent):
     (4096, 7168, 16384, "triton"),  # K > 8192
     (4096, 2100, 7168, "triton")])  # N % 64: the Mosaic GPU kernel cannot tile it
 def test_gpu_order(monkeypatch, m, n, k, first):
-  # Triton where M < 256 (4-15% ahead of Pallas at M <= 16, 1.16-1.75x at M = 64, and since
+  # Triton where M < 256 (0.99-1.06x Pallas's speed at M <= 16, 1.15-1.72x at M = 64, and since
   # both go to XLA's Triton custom call, both in the step's CUDA graph); from M = 256, Mosaic GPU
   # where its tiles cover half the H200's SMs and K <= 8192 (measured ahead there); Pallas after
   # Triton, for machines without `triton`.

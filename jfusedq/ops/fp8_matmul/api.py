@@ -19,15 +19,17 @@ from jfusedq.ops.group_quant import group_quant
 BLOCK = reference.BLOCK
 # Measured on the H200 (benchmarks/results/fp8_matmul_*.json): the Triton kernel ran 1.16-1.75x
 # as fast as the Pallas one at M = 64, 2.0-2.3x at M = 4096 (the Pallas-Triton lowering feeds
-# fp8 to f16 mma.sync instead of fp8 wgmma), 4-15% at M <= 16 (fp8_matmul_decode_c1f99c9.json).
+# fp8 to f16 mma.sync instead of fp8 wgmma), 4-15% at M <= 16 as Triton 3.6 built it
+# (fp8_matmul_decode_c1f99c9.json); as XLA's Triton builds it (both kernels then in the step's
+# CUDA graph) 0.99-1.06x Pallas's speed at M <= 16, 1.15-1.72x at M = 64 (fp8_matmul_s12.json).
 # Without `triton` installed it declines and Pallas runs (_dispatch.GPU_ORDER).
 # The warp-specialised Mosaic GPU kernel (Hopper) goes first where it was measured ahead of
 # Triton: M >= 4096 (results/fp8_matmul_m4096_persistent.json: 1.07-1.10x XLA's bf16 dot where
 # Triton ran 0.88-1.06x) and, with XLA's Triton building the Triton kernel, from M = 256 where
-# its 128-row tiles cover at least half the SMs (results/fp8_matmul_s12_mid.json, one run, K <=
-# 8192: 1.17-1.77x Triton's speed at M = 1024, 1.19x / 1.40x at M = 256 with 256 / 128 tiles;
-# with 22 / 64 tiles at M = 256 it ran 0.61x / 0.78x Triton's). At K = 16384 the two tie or
-# Triton leads (fp8_matmul_mosaic.json, s12_mid). Off Hopper it declines and the order goes on.
+# its 128-row tiles cover at least half the SMs (results/fp8_matmul_s12*.json, K <= 8192:
+# 1.17-1.77x Triton's speed at M = 1024; at M = 256 1.16-1.19x / 1.38-1.40x with 256 / 128
+# tiles, 0.60-0.61x / 0.77-0.78x with 22 / 64, two runs). At K = 16384 the two tie or Triton
+# leads by up to 3% (fp8_matmul_mosaic.json, s12). Off Hopper it declines and the order goes on.
 MOSAIC_MIN_M, MOSAIC_MAX_K = 256, 8192
 # Grouped (MoE) products: Triton first as well; the Pallas grouped kernel ran 0-6% behind it
 # at <= 16 rows a product (moe_gemm_pallas.json), 11% at 32.
