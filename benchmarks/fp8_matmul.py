@@ -44,6 +44,7 @@ from jfusedq.ops._common import pow2_floor  # noqa: E402
 from jfusedq.testing import rel_rms  # noqa: E402
 
 MS = (1, 16, 64, 256, 4096)
+SWEEP_MS = (1, 64, 256, 4096)  # M = 16 tiles like M = 1 (block_m 16): ask for it with --ms
 # DeepSeek-V3 q_a+kv_a, q_b, o_proj; Qwen3.5 in_proj_qkv, out_proj.
 NKS = ((2112, 7168), (24576, 1536), (7168, 16384), (12288, 4096), (4096, 8192))
 
@@ -166,7 +167,8 @@ def main():
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on CPU")
   ap.add_argument("--sweep", action="store_true", help="only the tiling sweep (see docstring)")
   ap.add_argument("--sweep-impl", default="pallas", choices=sorted(HEURISTICS))
-  ap.add_argument("--ms", nargs="+", type=int, default=MS)
+  ap.add_argument("--ms", nargs="+", type=int, default=None,
+                  help=f"default {MS}; with --sweep {SWEEP_MS}")
   ap.add_argument("--nks", nargs="+", default=None, help="N x K shapes, e.g. 12288x4096")
   ap.add_argument("--tag", default="", help="results file fp8_matmul_<tag>.json")
   ap.add_argument("--extra", nargs="*", default=[], choices=sorted(EXTRA_IMPLS),
@@ -175,7 +177,7 @@ def main():
                   help="time only these (xla_bf16, the ratios' base, is always timed)")
   args = ap.parse_args()
   nks = tuple(tuple(int(d) for d in nk.split("x")) for nk in args.nks) if args.nks else NKS
-  ms, nks = ((1, 16), ((256, 384),)) if args.smoke else (args.ms, nks)
+  ms, nks = ((1, 16), ((256, 384),)) if args.smoke else (args.ms or MS, nks)
   name = "fp8_matmul" + (f"_{args.tag}" if args.tag else "")
   impls = dict(IMPLS, **{extra: EXTRA_IMPLS[extra] for extra in args.extra})
   if args.impls:
@@ -187,9 +189,9 @@ def main():
   fp8_peak = 2 * bf16
   print(f"device {jax.devices()[0].device_kind}: copy {bw:.2f} TB/s, bf16 dot {bf16:.0f} TFLOP/s,"
         f" FP8 peak taken as {fp8_peak:.0f} TFLOP/s")
-  if args.sweep:  # M = 16 tiles like M = 1 (block_m 16): left out to keep the run short
-    return run_sweep(args.sweep_impl, [m for m in ms if m in (1, 64, 256, 4096)], nks, fp8_peak,
-                     bw, args.commit, args.out)
+  if args.sweep:
+    return run_sweep(args.sweep_impl, (1,) if args.smoke else args.ms or SWEEP_MS, nks,
+                     fp8_peak, bw, args.commit, args.out)
   print(__doc__.split("\n\n")[1])
   rows = []
   print(f"{'M':>5} {'N':>6} {'K':>6} {'impl':>13} {'us':>9} {'TFLOP/s':>8} {'wTB/s':>6} "
