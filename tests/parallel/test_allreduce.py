@@ -317,7 +317,8 @@ def test_check_vma_true():
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_axis_size_one(sp):
-  """One device: no collective at all, and the result is the single-device op's, exactly."""
+  """One device: no collective at all, and the result is the single-device op's: the same fp8,
+  bf16 and residual bits, scales within two ulp."""
   xs, res, w = inputs(("one", sp), 1, (4, 2112))
   if sp:
     fn = lambda x, r, w: reduce_scatter_rmsnorm_quant(x, r, w, axis_name=AXIS, keep_bf16=True)
@@ -330,7 +331,14 @@ def test_axis_size_one(sp):
   got = f(xs, res, w)
   want = rmsnorm_quant(xs[0], w, residual=res, keep_hp=True, implementation="xla")
   for u, v in zip(jax.tree.leaves(got), jax.tree.leaves((want.quant, want.residual))):
-    assert np.asarray(u).tobytes() == np.asarray(v).tobytes()
+    if u.dtype == jnp.float32:
+      # The same XLA ops compiled inside shard_map may sum a row's squares in another order:
+      # the row's RMS factor can land an f32 ulp apart, and a scale (its group's largest
+      # |h * factor * w| over the format's max, three roundings later) 2 ulp apart, as seen for
+      # one row of four in the sequence-parallel case; q, hp and the residual agree to the bit.
+      np.testing.assert_array_max_ulp(np.asarray(u), np.asarray(v), maxulp=2)
+    else:
+      assert np.asarray(u).tobytes() == np.asarray(v).tobytes()
 
 
 def test_errors():
