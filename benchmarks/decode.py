@@ -32,7 +32,8 @@ paths differ by design (one bf16 rounding of the norm; 0.07-0.47 measured on the
 
 --impls builds the kernel paths more than one way, each timed against its own unfused path:
 `default` (each op's own best order), or one backend for every op that has it, XLA for the
-rest (`pallas`: kernels XLA compiles from Pallas-Triton; `triton`: Triton-language kernels, also compiled by XLA).
+rest (`pallas`: kernels XLA compiles from Pallas-Triton; `triton`: Triton-language kernels,
+also compiled by XLA).
 
 Run: python benchmarks/decode.py [--presets deepseek-v3-layers ...] [--batches 1 8 32 64]
      [--tp N] [--context 256] [--wall] [--no-xla-check] [--impls default pallas triton]

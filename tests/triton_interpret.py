@@ -3,8 +3,8 @@
     python -m pytest -p tests.triton_interpret -k triton tests/ops tests/nn
 
 Makes the target an NVIDIA H200 and replaces the launcher (XLA's Triton custom call) with a
-`jax.pure_callback` that runs each kernel in Triton's interpreter over numpy buffers (torch, which the interpreter expects,
-is not needed).
+`jax.pure_callback` that runs each kernel in Triton's interpreter over numpy buffers (torch,
+which the interpreter expects, is not needed).
 Every masked-in address a kernel loads or stores is checked against the call's own arrays, so
 an out-of-bounds access fails the test instead of passing unseen, and outputs start poisoned
 (0x7F bytes) so an unwritten element cannot pass as a value. Only the `-k triton` cases are
