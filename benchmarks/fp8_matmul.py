@@ -15,7 +15,7 @@ unquantised weight), `xla_dequant` (dequantise the fp8 weight to bf16, then the 
 With --sweep, every case instead times the kernel of `--sweep-impl` (pallas, triton or
 mosaic_gpu) under the candidate tilings of `sweep_configs` (input already quantised) and writes
 fp8_matmul_sweep[_<impl>].json: the data the heuristics are set from. --nks picks shapes
-(e.g. 12288x4096) and --tag suffixes the results file (fp8_matmul_<tag>.json).
+(e.g. 12288x4096) and --tag suffixes the results file (fp8_matmul[_sweep[_<impl>]]_<tag>.json).
 
 Run: python benchmarks/fp8_matmul.py [--ms 1 4096 ...] [--nks NxK ...] [--extra triton mosaic_gpu]
      [--out DIR] [--commit SHA] [--tag T] [--smoke] [--sweep [--sweep-impl triton]]
@@ -133,7 +133,7 @@ def sweep_configs(impl: str, m: int, n: int, k: int) -> list:
   return [h] + [c for c in dict.fromkeys(cands) if c != h]
 
 
-def run_sweep(impl, ms, nks, fp8_peak, bw, commit, out):
+def run_sweep(impl, ms, nks, fp8_peak, bw, commit, out, tag=""):
   rows = []
   print(f"\nsweep ({impl}, quantised input): {'M':>5} {'N':>6} {'K':>6} {'us':>9} config")
   for seed, ((n, k), m) in enumerate((nk, m) for nk in nks for m in ms):
@@ -155,7 +155,8 @@ def run_sweep(impl, ms, nks, fp8_peak, bw, commit, out):
                        top_kernels=t.get("top_kernels")))
       print(f"{m:>38} {n:>6} {k:>6} {sec * 1e6:9.2f} {cfg} {'' if ok else 'CHECK FAILED'}",
             flush=True)
-    _harness.write_results("fp8_matmul_sweep" + ("" if impl == "pallas" else f"_{impl}"), rows,
+    _harness.write_results("fp8_matmul_sweep" + ("" if impl == "pallas" else f"_{impl}")
+                           + (f"_{tag}" if tag else ""), rows,
                            {"copy_tbps": round(bw, 3), "fp8_peak_tflops": round(fp8_peak, 1)},
                            commit, out)
 
@@ -191,7 +192,7 @@ def main():
         f" FP8 peak taken as {fp8_peak:.0f} TFLOP/s")
   if args.sweep:
     return run_sweep(args.sweep_impl, (1,) if args.smoke else args.ms or SWEEP_MS, nks,
-                     fp8_peak, bw, args.commit, args.out)
+                     fp8_peak, bw, args.commit, args.out, args.tag)
   print(__doc__.split("\n\n")[1])
   rows = []
   print(f"{'M':>5} {'N':>6} {'K':>6} {'impl':>13} {'us':>9} {'TFLOP/s':>8} {'wTB/s':>6} "

@@ -137,6 +137,18 @@ def test_triton_heuristics_by_wave_fill():
       1, 7168, 16384, "NVIDIA H200")
 
 
+def test_triton_five_stages_for_long_k_at_m64():
+  # The H200 sweeps at M = 64: 5 stages where each program walks >= 32 K blocks and two
+  # programs per SM hold the grid (5 stages of 16 KB leave room for two, not three).
+  stages = lambda m, n, k, kind="NVIDIA H200": mm_triton.heuristics(m, n, k, kind).num_stages
+  assert stages(64, 12288, 4096) == stages(64, 7168, 16384) == stages(40, 12288, 4096) == 5
+  assert stages(64, 24576, 1536) == 4  # 12 K blocks a program
+  assert stages(64, 4096, 8192) == 4  # 4 splits: 16 blocks a program
+  assert stages(64, 24576, 4096) == 4  # 384 programs: more than two a SM
+  assert stages(16, 12288, 4096) == stages(256, 12288, 4096) == 4  # not measured there
+  assert stages(64, 12288, 4096, "AMD Instinct MI300X") == 4  # measured on Hopper only
+
+
 @pytest.mark.parametrize("impl", ["pallas", TRITON])
 def test_jit_deterministic(impl):
   x, qw, sw = problem(("jit",), (3, 4), 256, 512)

@@ -19,6 +19,7 @@ and the MMA); a masked load fills with +0, a code in both formats.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -108,6 +109,10 @@ def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.con
   tl.store(o_ptr + o_offs, acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+# Device kinds the 5-stage decode rule below was measured on (Hopper, 132 SMs, 228 KB).
+_HOPPER = ("h100", "h200", "h800")
+
+
 def heuristics(m: int, n: int, k: int, device_kind: str | None = None, batch: int = 1) -> Config:
   """Pallas's tiling, except 128 x 128 tiles of two warp groups where they fill the GPU.
 
@@ -116,13 +121,28 @@ def heuristics(m: int, n: int, k: int, device_kind: str | None = None, batch: in
   N, K = 7168, 16384) where the tiles fill the last wave of programs to >= 90%; with a ragged
   last wave (4.1 waves at N = 2112) the smaller tile won by 4%, as it did at M <= 64, where
   Pallas's decode tiling also held against its neighbours.
+
+  One change to it on Hopper: at 33-64 rows (one 64-row tile), tiles whose K split leaves each program >= 32 K blocks
+  take 5 stages, if two programs per SM hold them all (a stage of 64 x 128 activation and
+  weight is 16 KB, so 5 stages fit two programs in 228 KB of shared memory, 4 fit three).
+  Measured at M = 64 in four sweeps (fp8_matmul_sweep_triton_m64_stages / _m64_longk / _s12 /
+  _s13): 5 stages took 2-4% less time at (12288, 4096) (32 blocks a program) and 1-2% less at
+  (7168, 16384) (64), equal at (7168, 18432) (72); with fewer blocks a program it lost 0-6%
+  (7 or 16), and 26% at (24576, 1536) (12 blocks, 384 programs: a third wave).
   """
   device_kind = device_kind or _target.current().device_kind
+  sms = pallas.sm_count(device_kind)
   if m > 64:
-    waves = -(-m // 128) * -(-n // 128) * batch / pallas.sm_count(device_kind)
+    waves = -(-m // 128) * -(-n // 128) * batch / sms
     if waves >= 1 and waves / math.ceil(waves) >= 0.9:
       return Config(128, 128, 1, num_warps=8, num_stages=4)
-  return pallas.heuristics(m, n, k, device_kind, batch)
+  config = pallas.heuristics(m, n, k, device_kind, batch)
+  programs = -(-m // config.block_m) * -(-n // config.block_n) * batch * config.k_splits
+  per_split = -(-k // BLOCK_K) // config.k_splits
+  if (m <= 64 and config.block_m == 64 and per_split >= 32 and programs <= 2 * sms
+      and any(h in device_kind.lower() for h in _HOPPER)):
+    return dataclasses.replace(config, num_stages=5)
+  return config
 
 
 def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array,
