@@ -330,6 +330,18 @@ def test_mosaic_gpu_persistent(monkeypatch, m, n, k, layout, config):
                fp8_matmul(qa, qw, sw, implementation="xla"))
 
 
+def test_mosaic_gpu_heuristics():
+  # The widest tile dividing N whose tiles cover half of an H200's 132 SMs, else 64 columns.
+  width = lambda m, n: mosaic_gpu.heuristics(m, n, 4096).block_n
+  assert width(4096, 2112) == width(1024, 2112) == 192  # 32 / 8 row tiles x 11
+  assert width(256, 2112) == 64  # 2 x 11 tiles of 192: 22
+  assert width(256, 4096) == 64  # 2 x 32 of 128: 64, one short of 66
+  assert width(256, 12288) == width(256, 24576) == 192  # 2 x 64, 2 x 128
+  assert width(256, 7168) == 128  # N % 192 != 0; 2 x 56
+  assert width(256, 1024) == 64  # 2 x 16 even at 64: the narrowest
+  assert width(1, 320) == 64  # N % 128 != 0 and N % 192 != 0
+
+
 def test_mosaic_gpu_declines():
   x, qw, sw = problem(("mosaic_declines",), (3,), 256, 300)
   with pytest.raises(Unsupported, match="K % 128"):
@@ -372,9 +384,10 @@ def test_mosaic_gpu_lowers(target, persistent):
 @pytest.mark.parametrize("m,n,k,first", [
     (1, 2112, 7168, "triton"), (16, 7168, 16384, "triton"), (17, 2112, 7168, "triton"),
     (64, 24576, 1536, "triton"), (255, 24576, 1536, "triton"),
-    (256, 2112, 7168, "triton"),  # 2 x 11 tiles of 128 x 192: a sixth of the SMs
-    (256, 4096, 8192, "triton"),  # 2 x 32 tiles: 64, under half of 132
-    (256, 12288, 4096, "mosaic_gpu"),  # 2 x 64 tiles
+    (256, 2112, 7168, "mosaic_gpu"),  # 2 x 33 tiles of 128 x 64: half the SMs
+    (256, 4096, 8192, "mosaic_gpu"),  # 2 x 64 tiles of 128 x 64
+    (256, 12288, 4096, "mosaic_gpu"),  # 2 x 64 tiles of 128 x 192
+    (256, 1024, 4096, "triton"),  # 2 x 16 tiles at the narrowest: under half of 132
     (1024, 2112, 7168, "mosaic_gpu"), (4096, 24576, 1536, "mosaic_gpu"),
     (4096, 7168, 16384, "triton"),  # K > 8192
     (4096, 2100, 7168, "triton")])  # N % 64: the Mosaic GPU kernel cannot tile it
@@ -392,11 +405,11 @@ def test_gpu_order(monkeypatch, m, n, k, first):
 @pytest.mark.lowering
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("m,k,mosaic", [(4096, 1536, True), (4096, 16384, False),
-                                        (1024, 1536, True), (256, 1536, False)])
+                                        (256, 1536, True), (255, 1536, False)])
 def test_default_order_lowers(target, m, k, mosaic):
   # With no implementation asked for, Hopper runs the Mosaic GPU kernel where it was measured
   # to win (api.gpu_order: M >= 256, K <= 8192, its tiles on half the SMs; N = 2112 here, so
-  # M = 256 has 22 tiles) and the portable kernels elsewhere; ROCm never.
+  # M = 256 has 66 tiles of 128 x 64) and the portable kernels elsewhere; ROCm never.
   S = jax.ShapeDtypeStruct
   fp8 = jnp.float8_e4m3fnuz if target == "gfx942" else jnp.float8_e4m3fn
 
