@@ -28,8 +28,11 @@ BLOCK = reference.BLOCK
 # Triton ran 0.88-1.06x) and, with XLA's Triton building the Triton kernel, from M = 256 where
 # its 128-row tiles cover at least half the SMs (results/fp8_matmul_s12*.json, K <= 8192:
 # 1.17-1.77x Triton's speed at M = 1024; at M = 256 1.16-1.19x / 1.38-1.40x with 256 / 128
-# tiles, 0.60-0.61x / 0.77-0.78x with 22 / 64, two runs). At K = 16384 the two tie or Triton
-# leads by up to 3% (fp8_matmul_mosaic.json, s12). Off Hopper it declines and the order goes on.
+# tiles, 0.60-0.61x / 0.77-0.78x with 22 / 64, two runs). Its heuristic now narrows the tiles
+# until they cover half the SMs where N allows (fp8_matmul_s13_mid.json, M = 256 / 512:
+# 1.10-1.38x / 0.99-1.74x Triton's speed at the four K <= 8192 shapes). At K = 16384 the two
+# tie or Triton leads by up to 4% (fp8_matmul_mosaic.json, s12, s13_mid). Off Hopper it declines
+# and the order goes on.
 MOSAIC_MIN_M, MOSAIC_MAX_K = 256, 8192
 # Grouped (MoE) products: Triton first as well; the Pallas grouped kernel ran 0-6% behind it
 # at <= 16 rows a product (moe_gemm_pallas.json), 11% at 32.
