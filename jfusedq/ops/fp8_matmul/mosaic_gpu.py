@@ -86,8 +86,9 @@ def heuristics(m: int, n: int, k: int) -> Config:
   From the H200 sweeps: at M = 4096 192 columns ran fastest wherever N allows
   (fp8_matmul_sweep_mosaic_gpu.json); at M = 256, where 2 row tiles leave few column tiles,
   64 columns took 24.8 us against 47.0 for 192 at (N, K) = (2112, 7168) (66 tiles against 22)
-  and 29.5 against 42.0 for 128 at (4096, 8192) (128 against 64;
-  fp8_matmul_sweep_mosaic_gpu_s13.json).
+  and 29.5 against 42.0 for 128 at (4096, 8192) (128 against 64): results/logs/
+  fp8_matmul_sweep_mosaic_gpu_s13.log (a time limit cut the run before the second shape's rows
+  reached the JSON).
   """
   widths = [bn for bn in (192, 128, 64) if n % bn == 0] or [64]  # N % 64: `check` declines
   m_tiles = -(-m // BLOCK_M)

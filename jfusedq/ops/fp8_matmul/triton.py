@@ -122,13 +122,13 @@ def heuristics(m: int, n: int, k: int, device_kind: str | None = None, batch: in
   last wave (4.1 waves at N = 2112) the smaller tile won by 4%, as it did at M <= 64, where
   Pallas's decode tiling also held against its neighbours.
 
-  One change to it on Hopper: at 33-64 rows (one 64-row tile), tiles whose K split leaves each program >= 32 K blocks
-  take 5 stages, if two programs per SM hold them all (a stage of 64 x 128 activation and
-  weight is 16 KB, so 5 stages fit two programs in 228 KB of shared memory, 4 fit three).
-  Measured at M = 64 in four sweeps (fp8_matmul_sweep_triton_m64_stages / _m64_longk / _s12 /
-  _s13): 5 stages took 2-4% less time at (12288, 4096) (32 blocks a program) and 1-2% less at
-  (7168, 16384) (64), equal at (7168, 18432) (72); with fewer blocks a program it lost 0-6%
-  (7 or 16), and 26% at (24576, 1536) (12 blocks, 384 programs: a third wave).
+  One change to it on Hopper: at 33-64 rows (one 64-row tile), where the K split leaves each
+  program >= 32 K blocks, 5 stages, if two programs per SM hold the grid (a stage of 64 x 128
+  activation and weight is 16 KB: 5 stages fit two programs in 228 KB of shared memory, 4 fit
+  three). Measured at M = 64 in four sweeps (fp8_matmul_sweep_triton_m64_stages / _m64_longk /
+  _s12 / _s13): 5 stages took 3-4% less time at (12288, 4096) (32 blocks a program), 1-2% less
+  at (7168, 16384) (64), the same at (7168, 18432) (72); with 7-16 blocks a program -2% to +6%,
+  and +26% at (24576, 1536) (12 blocks, 384 programs: more than two an SM).
   """
   device_kind = device_kind or _target.current().device_kind
   sms = pallas.sm_count(device_kind)
