@@ -44,9 +44,8 @@ def gpu_order(m: int, n: int, k: int) -> tuple[str, ...]:
   order = _dispatch.GPU_ORDER
   if m < MOSAIC_MIN_M or k > MOSAIC_MAX_K or n % 64:
     return order
-  tiles = -(-m // mosaic_gpu.BLOCK_M) * (n // mosaic_gpu.heuristics(m, n, k).block_n)
-  sms = pallas.sm_count(_target.current().device_kind)
-  return ("mosaic_gpu", *order) if 2 * tiles >= sms else order
+  block_n = mosaic_gpu.heuristics(m, n, k).block_n
+  return ("mosaic_gpu", *order) if mosaic_gpu.covers_half(m, n, block_n) else order
 
 
 def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_scale: jax.Array, *,

@@ -91,9 +91,13 @@ def heuristics(m: int, n: int, k: int) -> Config:
   reached the JSON).
   """
   widths = [bn for bn in (192, 128, 64) if n % bn == 0] or [64]  # N % 64: `check` declines
-  m_tiles = -(-m // BLOCK_M)
-  block_n = next((bn for bn in widths if 2 * m_tiles * (n // bn) >= _num_sms()), widths[-1])
+  block_n = next((bn for bn in widths if covers_half(m, n, bn)), widths[-1])
   return Config(block_n, persistent=k <= PERSISTENT_MAX_K)
+
+
+def covers_half(m: int, n: int, block_n: int) -> bool:
+  """Whether the 128 x block_n tiles of an `[M, N]` output number at least half the SMs."""
+  return 2 * -(-m // BLOCK_M) * (n // block_n) >= _num_sms()
 
 
 def _num_sms() -> int:
