@@ -7,6 +7,7 @@
 # too big to carry). TESTS=0 skips the tests; TEST_TIMEOUT and BENCH_TIMEOUT (each benchmark)
 # bound the parts.
 # Usage on the device: bash benchmarks/gpu_run.sh <commit-sha> [name[:flags] ...]
+# Then, here: copy $OUT/<benchmark>.json over benchmarks/results/ and run benchmarks/report.py.
 set -uo pipefail
 commit=${1:?commit sha of the code being measured}; shift
 export PYTHONUNBUFFERED=1

@@ -20,8 +20,10 @@ def test_pages_are_current():
 
 
 def test_one_file_per_benchmark():
+  """results/ holds one JSON per benchmark script, named after it."""
   names = sorted(p.stem for p in (ROOT / "benchmarks/results").iterdir())
-  assert names == sorted(report.SPECS)
+  assert names and all(p.suffix == ".json" for p in (ROOT / "benchmarks/results").iterdir())
+  assert all((ROOT / "benchmarks" / f"{name}.py").exists() for name in names)
   for name in names:
     doc = json.loads((ROOT / "benchmarks/results" / f"{name}.json").read_text())
     assert doc["benchmark"] == name
