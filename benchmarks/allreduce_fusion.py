@@ -53,10 +53,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _harness  # noqa: E402
 from jfusedq import QuantizedActivation, Unsupported, rmsnorm_quant  # noqa: E402
+from jfusedq.fp8 import BLOCK as G  # noqa: E402
 from jfusedq.parallel import allreduce_rmsnorm_quant_sharded, chosen_strategy  # noqa: E402
 from jfusedq.testing import quant_mismatch  # noqa: E402
 
-G = 128
 AXIS = "tp"
 TS = (1, 16, 64, 256, 1024, 4096, 16384)
 HS = (4096, 7168)

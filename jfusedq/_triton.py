@@ -5,14 +5,12 @@ into TTIR; the TTIR goes into the custom call Pallas-Triton lowers to (`__gpu$xl
 and XLA compiles it with its own Triton, as it compiles a Pallas kernel. Such a kernel is part
 of the program XLA schedules: it is captured in XLA's CUDA graphs like any fusion.
 
-Why not jax-triton (the launcher until session 11): its `triton_kernel_call` is a legacy custom
-call, which XLA keeps out of command buffers, so each of its kernels split the decode step's
-CUDA graph and was launched by the host. Measured on one H200 (benchmarks/NOTES.md, session
-11): a decode step with Triton kernels first ran in 5-10 graphs with 277-1455 us of idle GPU
-through jax-triton (decode_impls_m16.json), in one graph with 2.6-8.2 us idle through XLA
-(decode_xla_triton.json). The price: the fp8 GEMM as XLA's Triton builds it took 0.98-1.10x the
-kernel time of Triton 3.6's build op by op (xla_triton_ops.json), and its decode-size calls
-1.00-1.13x session 10's time (fp8_matmul_s12.json against fp8_matmul_decode_c1f99c9.json).
+Why not jax-triton: its `triton_kernel_call` is a legacy custom call, which XLA keeps out of
+command buffers, so each of its kernels split the decode step's CUDA graph and was launched by
+the host: on one H200 a decode step with Triton kernels first ran in 5-10 graphs with
+277-1455 us of idle GPU through jax-triton, in one graph with 2.6-8.2 us idle through XLA. The
+price: the fp8 GEMM as XLA's Triton builds it took 0.98-1.13x the kernel time of Triton 3.6's
+own build.
 
 Python scalars among a call's arguments (row counts) become constants of the TTIR: one kernel
 per value, as shapes are static under `jit` anyway. Importing this module never fails: without

@@ -18,6 +18,11 @@ from jax import lax
 
 from jfusedq import _target
 
+# DeepSeek-style block scaling: activations in 1 x BLOCK groups, weights in BLOCK x BLOCK blocks.
+BLOCK = 128
+# Smallest group amax a scale is taken from, so that an all-zero group gets a finite scale.
+AMAX_MIN = 1e-10
+
 E4M3FN = jnp.dtype(jnp.float8_e4m3fn)
 E4M3FNUZ = jnp.dtype(jnp.float8_e4m3fnuz)
 _FINITE_MAX = {E4M3FN: 448.0, E4M3FNUZ: 240.0}
@@ -121,7 +126,7 @@ class QuantizedActivation:
   q: jax.Array
   scale: jax.Array
   hp: jax.Array | None = None
-  group_size: int = 128
+  group_size: int = BLOCK
   layout: ScaleLayout = "row"
 
   def __post_init__(self):

@@ -11,11 +11,10 @@ import ml_dtypes
 import numpy as np
 
 from jfusedq.checkpoint.checkpoint import Checkpoint, CheckpointError, TensorMismatchError
-from jfusedq.fp8 import E4M3FN, E4M3FNUZ, Fp8Format, resolve_format
+from jfusedq.fp8 import BLOCK, E4M3FN, E4M3FNUZ, Fp8Format, resolve_format
 from jfusedq.nn.weights import e4m3fn_to_e4m3fnuz, quantize_weight
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
 
-BLOCK = 128
 FLOATS = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
 FP8 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz))
 

@@ -6,9 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jfusedq.fp8 import E4M3FN, E4M3FNUZ, Fp8Format, resolve_format
-
-BLOCK = 128
+from jfusedq.fp8 import AMAX_MIN, BLOCK, E4M3FN, E4M3FNUZ, Fp8Format, resolve_format
 
 
 def quantize_weight(w: jax.Array, fmt: Fp8Format | str | None = None, block: int = BLOCK):
@@ -30,7 +28,7 @@ def quantize_weight(w: jax.Array, fmt: Fp8Format | str | None = None, block: int
   nb, kb = -(-n // block), -(-k // block)
   wp = jnp.pad(w.astype(jnp.float32), ((0, nb * block - n), (0, kb * block - k)))
   blocks = wp.reshape(nb, block, kb, block)
-  scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=(1, 3)), 1e-10) / fmt.max
+  scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=(1, 3)), AMAX_MIN) / fmt.max
   q = jnp.clip(blocks / scale[:, None, :, None], -fmt.max, fmt.max)
   q = q.reshape(nb * block, kb * block)[:n, :k].astype(fmt.dtype)
   return q, scale

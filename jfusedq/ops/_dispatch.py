@@ -21,11 +21,9 @@ class Unsupported(NotImplementedError):
   """A backend cannot build this call (shape, option or platform); the next one may."""
 
 
-# Triton first: since its kernels go to XLA's own Triton custom call (_triton.py), XLA captures
-# them in its CUDA graphs as it does Pallas's; with Triton first for every op the fused decode
-# step ran 0.5-1.8% faster than with Pallas first at decode sizes, the unfused one 0.6% faster to
-# 0.2% slower (one H200, Qwen3.5 / DeepSeek-V3 layers at batch 1 and 16,
-# decode_xla_triton.json). Pallas next: it runs where `triton` is not installed.
+# Triton first: with its kernels in XLA's own Triton custom call (_triton.py), the fused decode
+# step of Qwen3.5 / DeepSeek-V3 layers ran 0.5-1.8% faster than with Pallas first on one H200
+# (batch 1 and 16). Pallas next: it runs where `triton` is not installed.
 GPU_ORDER = ("triton", "pallas", "xla")
 
 

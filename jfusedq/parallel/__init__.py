@@ -1,4 +1,4 @@
-"""Collectives under `jax.shard_map`: fused all-reduce + RMSNorm + FP8 quant (DESIGN.md 3.4)."""
+"""Collectives under `jax.shard_map`: fused all-reduce + RMSNorm + FP8 quant."""
 
 from jfusedq.parallel.allreduce import (DISABLE_ENV, STRATEGIES, allreduce_rmsnorm_quant,
                                         allreduce_rmsnorm_quant_sharded, chosen_strategy,

@@ -1,9 +1,9 @@
 """Fused all-reduce + (add +) RMSNorm + per-group FP8 quant over a tensor-parallel axis.
 
 Each device of a tensor-parallel group holds a partial sum `x_i [..., H]` (the output of a
-row-parallel projection); the next layer wants `rmsnorm_quant(psum(x_i) + residual)` (DESIGN.md
-3.2, 3.4) replicated on every device. The collective stays XLA's (NCCL / RCCL); what differs
-between strategies is what runs after it:
+row-parallel projection); the next layer wants `rmsnorm_quant(psum(x_i) + residual)` replicated
+on every device. The collective stays XLA's (NCCL / RCCL); what differs between strategies is
+what runs after it:
 
   "fused"               psum, then the single fused add + norm + quant kernel (`rmsnorm_quant`),
                         with the bf16 normalised copy as a side output when asked.
@@ -25,8 +25,8 @@ f32 scales (as bytes: no backend has to support fp8 collectives), about 24% fewe
 bf16 all-reduce and 1/N of the norm work per device.
 
 All of this runs inside `jax.shard_map`; `allreduce_rmsnorm_quant_sharded` builds the shard_map
-for callers holding global arrays. Pallas kernels inside shard_map need `check_vma=False`
-(DESIGN.md 4). Nothing here looks at local devices, so a multi-host mesh works the same way.
+for callers holding global arrays. Pallas kernels inside shard_map need `check_vma=False`.
+Nothing here looks at local devices, so a multi-host mesh works the same way.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jfusedq import _target
-from jfusedq.fp8 import Fp8Format, QuantizedActivation, resolve_format
+from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.ops import _dispatch
 from jfusedq.ops._dispatch import Unsupported
 from jfusedq.ops.group_quant import group_quant
@@ -162,7 +162,7 @@ BUILDERS = {"fused": _fused, "ar_norm_then_quant": _ar_norm_then_quant, "generic
 
 
 def chosen_strategy(x, weight, *, residual=None, eps: float = 1e-6, weight_offset: float = 0.0,
-                    group_size: int = 128, fmt: Fp8Format | str | None = None,
+                    group_size: int = BLOCK, fmt: Fp8Format | str | None = None,
                     layout: str = "row", ue8m0: bool = False, keep_bf16: bool = False,
                     strategy: str | Sequence[str] | None = None,
                     implementation: str | Sequence[str] | None = None) -> str:
@@ -251,7 +251,7 @@ def _check_shapes(x, residual, weight, x_name="x_partial"):
 
 def allreduce_rmsnorm_quant(x_partial: jax.Array, residual: jax.Array | None, weight: jax.Array,
                             *, axis_name: AxisName, eps: float = 1e-6,
-                            weight_offset: float = 0.0, group_size: int = 128,
+                            weight_offset: float = 0.0, group_size: int = BLOCK,
                             fmt: Fp8Format | str | None = None, layout: str = "row",
                             ue8m0: bool = False, keep_bf16: bool = False,
                             strategy: str | Sequence[str] | None = None,
@@ -259,8 +259,8 @@ def allreduce_rmsnorm_quant(x_partial: jax.Array, residual: jax.Array | None, we
                             ) -> tuple[QuantizedActivation, jax.Array]:
   """`rmsnorm_quant(psum(x_partial) + residual)`, replicated; call inside `jax.shard_map`.
 
-  Equal to `rmsnorm_quant(lax.psum(x_partial, axis_name), weight, residual=residual, ...)`
-  (DESIGN.md 3.2): the sum with the residual is rounded to x's dtype before the norm reads it.
+  Equal to `rmsnorm_quant(lax.psum(x_partial, axis_name), weight, residual=residual, ...)`:
+  the sum with the residual is rounded to x's dtype before the norm reads it.
 
   Args:
     x_partial: `[..., H]` this device's partial sum (bf16/f16/f32).
@@ -296,7 +296,7 @@ def allreduce_rmsnorm_quant(x_partial: jax.Array, residual: jax.Array | None, we
 def reduce_scatter_rmsnorm_quant(x_partial: jax.Array, residual: jax.Array | None,
                                  weight: jax.Array, *, axis_name: AxisName, token_axis: int = 0,
                                  eps: float = 1e-6, weight_offset: float = 0.0,
-                                 group_size: int = 128, fmt: Fp8Format | str | None = None,
+                                 group_size: int = BLOCK, fmt: Fp8Format | str | None = None,
                                  layout: str = "row", ue8m0: bool = False,
                                  keep_bf16: bool = False,
                                  strategy: str | Sequence[str] | None = None,
@@ -412,7 +412,7 @@ def allreduce_rmsnorm_quant_sharded(x_partials: jax.Array, residual: jax.Array |
   args = [_place(a, mesh, s) for a, s in ((x_partials, part), (residual, res_spec),
                                           (weight, P()))]
   quant_specs = QuantizedActivation(P(), P(), P() if kwargs.get("keep_bf16") else None,
-                                    group_size=kwargs.get("group_size", 128),
+                                    group_size=kwargs.get("group_size", BLOCK),
                                     layout=kwargs.get("layout", "row"))
   fn = jax.shard_map(body, mesh=mesh, in_specs=(part, res_spec, P()),
                      out_specs=(quant_specs, res_spec), check_vma=False)

@@ -323,7 +323,7 @@ def test_mosaic_gpu(m_shape, n, k, layout, config):
 def test_mosaic_gpu_persistent(monkeypatch, m, n, k, layout, config):
   # Four SMs: every CTA walks two or three tiles (a ragged count), reusing the pipeline's
   # buffers and the output staging, on the interpreter and on a real GPU alike.
-  monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda: 4)
+  monkeypatch.setattr("jfusedq._target.sm_count", lambda device_kind=None: 4)
   x, qw, sw = problem(("mosaic_persistent", m, n, k), (m,), n, k)
   qa = group_quant(x, layout=layout, implementation="xla")
   assert_close(fp8_matmul(qa, qw, sw, implementation="mosaic_gpu", config=config),

@@ -9,33 +9,23 @@ import jax
 import jax.numpy as jnp
 
 from jfusedq import _target
-from jfusedq.fp8 import E4M3FN, E4M3FNUZ, Fp8Format, QuantizedActivation
+from jfusedq.fp8 import BLOCK, E4M3FN, E4M3FNUZ, Fp8Format, QuantizedActivation
 from jfusedq.ops import _common
 from jfusedq.ops import _dispatch
 from jfusedq.ops._dispatch import Unsupported, dispatch
 from jfusedq.ops.fp8_matmul import mosaic_gpu, pallas, reference, triton
 from jfusedq.ops.group_quant import group_quant
 
-BLOCK = reference.BLOCK
-# Measured on the H200 (benchmarks/results/fp8_matmul_*.json): the Triton kernel ran 1.16-1.75x
-# as fast as the Pallas one at M = 64, 2.0-2.3x at M = 4096 (the Pallas-Triton lowering feeds
-# fp8 to f16 mma.sync instead of fp8 wgmma), 4-15% at M <= 16 as Triton 3.6 built it
-# (fp8_matmul_decode_c1f99c9.json); as XLA's Triton builds it (both kernels then in the step's
-# CUDA graph) 0.99-1.06x Pallas's speed at M <= 16, 1.15-1.72x at M = 64 (fp8_matmul_s12.json).
-# Without `triton` installed it declines and Pallas runs (_dispatch.GPU_ORDER).
-# The warp-specialised Mosaic GPU kernel (Hopper) goes first where it was measured ahead of
-# Triton: M >= 4096 (results/fp8_matmul_m4096_persistent.json: 1.07-1.10x XLA's bf16 dot where
-# Triton ran 0.88-1.06x) and, with XLA's Triton building the Triton kernel, from M = 256 where
-# its 128-row tiles cover at least half the SMs (results/fp8_matmul_s12*.json, K <= 8192:
-# 1.17-1.77x Triton's speed at M = 1024; at M = 256 1.16-1.19x / 1.38-1.40x with 256 / 128
-# tiles, 0.60-0.61x / 0.77-0.78x with 22 / 64, two runs). Its heuristic now narrows the tiles
-# until they cover half the SMs where N allows (fp8_matmul_s13_mid.json, M = 256 / 512:
-# 1.10-1.38x / 0.99-1.74x Triton's speed at the four K <= 8192 shapes). At K = 16384 the two
-# tie or Triton leads by up to 4% (fp8_matmul_mosaic.json, s12, s13_mid). Off Hopper it declines
-# and the order goes on.
+# Triton first (_dispatch.GPU_ORDER): on the H200 it ran 0.99-1.06x the Pallas kernel's speed at
+# M <= 16, 1.15-1.72x at M = 64 and 2.0-2.3x at M = 4096 (the Pallas-Triton lowering feeds fp8
+# to f16 mma.sync instead of fp8 wgmma); without `triton` installed it declines and Pallas runs.
+# The warp-specialised Mosaic GPU kernel (Hopper) goes first from M = 256 where its tiles cover
+# at least half the SMs and K <= 8192: there it ran 1.10-1.77x Triton's speed (M = 256 to 1024)
+# and 1.07-1.10x XLA's bf16 dot at M = 4096, where Triton ran 0.88-1.06x; at K = 16384 the two
+# tie or Triton leads by up to 4%. Off Hopper it declines and the order goes on.
 MOSAIC_MIN_M, MOSAIC_MAX_K = 256, 8192
 # Grouped (MoE) products: Triton first as well; the Pallas grouped kernel ran 0-6% behind it
-# at <= 16 rows a product (moe_gemm_pallas.json), 11% at 32.
+# at <= 16 rows a product, 11% at 32.
 
 
 def gpu_order(m: int, n: int, k: int) -> tuple[str, ...]:

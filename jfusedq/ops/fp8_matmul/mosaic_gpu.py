@@ -14,25 +14,24 @@ warpgroups own 64 rows each of the 128 x block_n tile. Per K block, each compute
 Scaling per block keeps the accumulation in f32 (Hopper's fp8 MMA accumulates with reduced
 precision inside one instruction chain). The two compute warpgroups drift apart, so one's
 rescale overlaps the other's wgmma, and the memory warpgroup keeps the copies ahead of both
-(session 2's single-warpgroup version waited for each wgmma with the tensor cores idle:
+(a single-warpgroup version, waiting for each wgmma with the tensor cores idle, ran at
 0.48-0.85x XLA's bf16 dot at M = 4096). The epilogue goes registers -> shared -> TMA store,
 which clips the columns past N.
 
 Shapes: K a multiple of 128, N of 64; M is padded to 128 by the caller's XLA (a copy of the
 activation, small next to the weight at the M this kernel is for).
 
-H200, M = 4096 (results/fp8_matmul_mosaic.json): 889 / 781 / 769 / 887 TFLOP/s at (N, K) =
-(2112, 7168) / (24576, 1536) / (7168, 16384) / (12288, 4096), 1.11 / 0.95 / 1.06 / 1.10x XLA's
-bf16 dot. Tried and measured slower (results/fp8_matmul_mosaic_{cond,mask}.json): a persistent
-schedule (one CTA per SM walking its tiles in one pipeline, the store inside the step), 1-25%
-slower than this kernel: moving the store into the step cost more than the refills saved
-(persistent was 2-12% faster than per-tile CTAs with the store in the step alike).
-`Config(persistent=True)` is the schedule with the store kept out of the step: one CTA per SM
-loops over its tiles, each a pipeline over K, the pipeline's buffers allocated once so the
-memory warpgroup runs ahead into the next tile. Measured (M = 4096,
-fp8_matmul_sweep_mosaic_gpu_persistent.json): 349.4 against 387.6 us at (24576, 1536), where a
-tile's 12 K blocks make the pipeline's fill and drain between tiles a large share, and 142.5
-against 138.7 at (2112, 7168) (56 K blocks): the default for K <= 2048.
+H200, M = 4096: 889 / 781 / 769 / 887 TFLOP/s at (N, K) = (2112, 7168) / (24576, 1536) /
+(7168, 16384) / (12288, 4096), 1.11 / 0.95 / 1.06 / 1.10x XLA's bf16 dot. Tried and measured
+slower: a persistent schedule (one CTA per SM walking its tiles in one pipeline, the store
+inside the step), 1-25% slower than this kernel: moving the store into the step cost more than
+the refills saved (persistent was 2-12% faster than per-tile CTAs with the store in the step
+alike). `Config(persistent=True)` is the schedule with the store kept out of the step: one CTA
+per SM loops over its tiles, each a pipeline over K, the pipeline's buffers allocated once so
+the memory warpgroup runs ahead into the next tile. Measured at M = 4096: 349.4 against
+387.6 us at (24576, 1536), where a tile's 12 K blocks make the pipeline's fill and drain
+between tiles a large share, and 142.5 against 138.7 at (2112, 7168) (56 K blocks): the
+default for K <= 2048.
 """
 
 from __future__ import annotations
@@ -46,10 +45,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jfusedq import _target
-from jfusedq.fp8 import E4M3FN
+from jfusedq.fp8 import BLOCK, E4M3FN
 from jfusedq.ops._dispatch import Unsupported
 
-BLOCK_K = 128
+BLOCK_K = BLOCK
 BLOCK_M = 128  # two compute warpgroups of 64 rows (wgmma's M)
 WG_M = 64
 # 128-byte swizzle: one K block of fp8 is 128 bytes per row, the widest TMA/wgmma swizzle.
@@ -83,12 +82,10 @@ def heuristics(m: int, n: int, k: int) -> Config:
   cover half the SMs, else the narrowest; 4 stages; persistent where K is short (module
   docstring).
 
-  From the H200 sweeps: at M = 4096 192 columns ran fastest wherever N allows
-  (fp8_matmul_sweep_mosaic_gpu.json); at M = 256, where 2 row tiles leave few column tiles,
-  64 columns took 24.8 us against 47.0 for 192 at (N, K) = (2112, 7168) (66 tiles against 22)
-  and 29.5 against 42.0 for 128 at (4096, 8192) (128 against 64): results/logs/
-  fp8_matmul_sweep_mosaic_gpu_s13.log (a time limit cut the run before the second shape's rows
-  reached the JSON).
+  From the H200 sweeps: at M = 4096 192 columns ran fastest wherever N allows; at M = 256,
+  where 2 row tiles leave few column tiles, 64 columns took 24.8 us against 47.0 for 192 at
+  (N, K) = (2112, 7168) (66 tiles against 22) and 29.5 against 42.0 for 128 at (4096, 8192)
+  (128 against 64).
   """
   widths = [bn for bn in (192, 128, 64) if n % bn == 0] or [64]  # N % 64: `check` declines
   block_n = next((bn for bn in widths if covers_half(m, n, bn)), widths[-1])
@@ -97,24 +94,13 @@ def heuristics(m: int, n: int, k: int) -> Config:
 
 def covers_half(m: int, n: int, block_n: int) -> bool:
   """Whether the 128 x block_n tiles of an `[M, N]` output number at least half the SMs."""
-  return 2 * -(-m // BLOCK_M) * (n // block_n) >= _num_sms()
-
-
-def _num_sms() -> int:
-  """SMs of the device compiled for; 132 (an H100/H200's) where it is not known: an abstract
-  device without core count, or the CPU interpreter."""
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  if device is not None:
-    return device.num_cores or 132
-  d = jax.devices()[0]
-  return d.core_count if d.platform == "gpu" else 132
+  return 2 * -(-m // BLOCK_M) * (n // block_n) >= _target.sm_count()
 
 
 def check(qa: jax.Array, n: int, k: int) -> None:
   """Raises Unsupported for what this kernel does not build (the dispatcher moves on)."""
   target = _target.current()
-  kind = target.device_kind.lower()
-  if target.platform == "cuda" and not ("h100" in kind or "h200" in kind or "h800" in kind):
+  if target.platform == "cuda" and not target.is_hopper:
     raise Unsupported(f"the Mosaic GPU kernel is built for Hopper (sm90), not {target.device_kind}")
   if target.platform not in ("cuda", "cpu"):
     raise Unsupported(f"Mosaic GPU runs on NVIDIA GPUs, not {target.platform}")
@@ -207,7 +193,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
       pl.run_scoped(scope, allocs, out_smem, collective_axes="wg")
 
   grid, names = (((mt, nt), ("m", "n")) if not cfg.persistent
-                 else ((min(mt * nt, _num_sms()),), ("c",)))
+                 else ((min(mt * nt, _target.sm_count()),), ("c",)))
   out = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((mp, n), out_dtype), grid=grid, grid_names=names,
       num_threads=3, thread_name="wg",

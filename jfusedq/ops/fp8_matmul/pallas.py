@@ -1,4 +1,4 @@
-"""Pallas kernel for the block-scaled W8A8 GEMM (DeepSeek format, DESIGN.md 3.3).
+"""Pallas kernel for the block-scaled W8A8 GEMM (DeepSeek format).
 
 Grid (M blocks, N blocks, K splits). A program walks its share of the K blocks of 128 (the
 scale granularity): one fp8 x fp8 dot per block into f32, scaled by the activation's per-row
@@ -9,10 +9,9 @@ With K split, each split writes an f32 partial and XLA adds them (deterministic,
 atomics); decode shapes need the split to put enough programs on the GPU. XLA's sum is a
 second kernel of 1.0-2.1 us on the H200; summing in this kernel instead (the last split of a
 tile to count itself in on a zeroed counter adds the partials) was no faster: Triton 2-9%
-slower at M <= 16 and 5-35% at M = 64, Pallas from 2.5% faster to 28% slower
-(fp8_matmul_splitsum.json against fp8_matmul_xlasum.json). The count's round trip and the
-partials' reload sit at the end of every tile, one CTA a tile does the reload, and the
-counters need a memset.
+slower at M <= 16 and 5-35% at M = 64, Pallas from 2.5% faster to 28% slower. The count's
+round trip and the partials' reload sit at the end of every tile, one CTA a tile does the
+reload, and the counters need a memset.
 
 On Hopper this kernel does not reach the FP8 tensor cores: Pallas emits `tt.dot` without
 `maxNumImpreciseAcc`, and Triton then lowers an fp8 dot to fp8 -> f16 conversions and
@@ -32,9 +31,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jfusedq import _target
+from jfusedq.fp8 import BLOCK
 from jfusedq.ops import _common
 
-BLOCK_K = 128  # = the scale block: one scale per activation row and weight block per step
+BLOCK_K = BLOCK  # the scale block: one scale per activation row and weight block per step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,34 +59,23 @@ class Config:
       raise ValueError(f"Config.num_stages must be a positive int, got {self.num_stages!r}")
 
 
-# SMs to fill per device kind when choosing the K split for small M (decode).
-_SMS = {"h200": 132, "h100": 132, "mi300": 304, "mi325": 304, "mi355": 256, "mi350": 256,
-        "gfx942": 304, "gfx950": 256}
-
-
-def sm_count(device_kind: str) -> int:
-  kind = device_kind.lower()
-  return next((n for key, n in _SMS.items() if key in kind), 128)
-
-
 def heuristics(m: int, n: int, k: int, device_kind: str | None = None, batch: int = 1) -> Config:
   """Block sizes by M (and the device's SM count, for the K split; `batch` products per launch
   count as more tiles).
 
-  Set from the H200 sweep (benchmarks/results/fp8_matmul_sweep.json). M <= 64 (decode) is
-  bound by reading the weight: 64-column tiles, and K split until about four (M <= 16) or two
-  programs per SM stream the weight, at most 8 splits (their f32 partials cost a pass; half as
-  many splits ran 4-25% slower at M = 64, fp8_matmul_sweep_triton_m64.json). Larger
-  M: 64 x 128 tiles of 4 warps beat 128 x 128 ones there (1.1-1.25x at M = 4096; wider tiles
-  ran slower still, 256 x 128 at a third).
+  Set from the H200 sweep. M <= 64 (decode) is bound by reading the weight: 64-column tiles,
+  and K split until about four (M <= 16) or two programs per SM stream the weight, at most 8
+  splits (their f32 partials cost a pass; half as many splits ran 4-25% slower at M = 64).
+  Larger M: 64 x 128 tiles of 4 warps beat 128 x 128 ones there (1.1-1.25x at M = 4096; wider
+  tiles ran slower still, 256 x 128 at a third).
   """
-  device_kind = device_kind or _target.current().device_kind
+  sms = _target.sm_count(device_kind)
   kb = -(-k // BLOCK_K)
   if m <= 64:
     block_m = max(16, pl.next_power_of_2(m))
     block_n = 64
     tiles = -(-m // block_m) * -(-n // block_n) * batch
-    want = max(1, (4 if m <= 16 else 2) * sm_count(device_kind) // tiles)
+    want = max(1, (4 if m <= 16 else 2) * sms // tiles)
     k_splits = min(_common.pow2_floor(want), 8, _common.pow2_floor(kb))
     return Config(block_m, block_n, k_splits, num_warps=4, num_stages=4)
   return Config(64, 128, 1, num_warps=4, num_stages=4)
@@ -135,11 +124,10 @@ def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Arra
                         else sa_ref.at[group, kblock, pl.ds(m0, bm)], mask=row_ok, other=0.0)
 
     # Col-layout scales ([KB, M]) are loaded one K block ahead, as in triton.py (see there why;
-    # 1.00-1.05x row layout's time at M = 16, against 1.00-1.13x loaded in their step:
-    # fp8_matmul_scale_layout_pallas.json); the index is clamped to the last block, so the final
-    # step's extra read stays in bounds. Row-layout and weight scales ahead too ran up to 5.5%
-    # slower here (9 of 10 cells), where Triton's kernel gained 0.4-8%
-    # (fp8_matmul_probe_ahead.json).
+    # 1.00-1.05x row layout's time at M = 16, against 1.00-1.13x loaded in their step); the
+    # index is clamped to the last block, so the final step's extra read stays in bounds.
+    # Row-layout and weight scales ahead too ran up to 5.5% slower here (9 of 10 cells), where
+    # Triton's kernel gained 0.4-8%.
     ahead = a_layout == "col"
 
     def step(kblock, carry):

@@ -1,4 +1,4 @@
-"""Block-scaled W8A8 GEMM in plain jnp, float32 (DESIGN.md 3.3).
+"""Block-scaled W8A8 GEMM in plain jnp, float32.
 
 out[m, n] = sum_kb (q_a[m, kb] . q_w[n, kb]) * a_scale[m, kb] * w_scale[n // 128, kb]. Each
 scale is constant over its block, so this equals the dot of the dequantised operands, which
@@ -10,9 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jfusedq.fp8 import QuantizedActivation
-
-BLOCK = 128
+from jfusedq.fp8 import BLOCK, QuantizedActivation
 
 
 def dequantize_weight(qw: jax.Array, w_scale: jax.Array, block: int = BLOCK) -> jax.Array:

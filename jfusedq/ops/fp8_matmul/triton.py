@@ -1,4 +1,4 @@
-"""Triton kernel for the block-scaled W8A8 GEMM (DeepSeek format, DESIGN.md 3.3).
+"""Triton kernel for the block-scaled W8A8 GEMM (DeepSeek format).
 
 Grid (M blocks x N blocks, K splits), the first axis ordered in groups of GROUP_M row blocks so
 that programs running together share weight and activation tiles in L2. A program walks its
@@ -37,8 +37,8 @@ GROUP_M = 8  # row blocks per L2 group
 def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.constexpr,
                       K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       PER_SPLIT: tl.constexpr, A_COL: tl.constexpr, GROUP_M: tl.constexpr,
-                      SWAP: tl.constexpr, A_DIV: tl.constexpr, BATCH: tl.constexpr):
-  BK: tl.constexpr = 128
+                      SWAP: tl.constexpr, A_DIV: tl.constexpr, BATCH: tl.constexpr,
+                      BK: tl.constexpr):
   KB: tl.constexpr = (K + BK - 1) // BK
   NB: tl.constexpr = (N + BK - 1) // BK
   GRID_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
@@ -70,10 +70,9 @@ def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.con
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
   # Scales are loaded one K block ahead (a loop-carried load), so their read overlaps a
   # block's MMA instead of preceding it: 0.4-8% faster with row-layout scales than loading
-  # them in their step (fp8_matmul_probe_ahead.json, M = 1 / 16 / 64). Column-layout scales
-  # ([KB, M]) of each block lie in a new stretch of memory (a row's share one L1 line for 32
-  # blocks): loaded in their step the loop ran 1.14-1.44x the row layout's time at M = 64
-  # (fp8_matmul_scale_layout.json), ahead 0.99-1.14x (fp8_matmul_scale_layout_prefetch.json).
+  # them in their step (M = 1 / 16 / 64). Column-layout scales ([KB, M]) of each block lie in a
+  # new stretch of memory (a row's share one L1 line for 32 blocks): loaded in their step the
+  # loop ran 1.14-1.44x the row layout's time at M = 64, ahead 0.99-1.14x.
   # Block indices are clamped to the last one (KB - 1): an empty split or the last step reads
   # a block it does not use, in bounds.
   if A_COL:
@@ -109,29 +108,25 @@ def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.con
   tl.store(o_ptr + o_offs, acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# Device kinds the 5-stage decode rule below was measured on (Hopper, 132 SMs, 228 KB).
-_HOPPER = ("h100", "h200", "h800")
-
-
 def heuristics(m: int, n: int, k: int, device_kind: str | None = None, batch: int = 1) -> Config:
   """Pallas's tiling, except 128 x 128 tiles of two warp groups where they fill the GPU.
 
-  From the H200 sweep (benchmarks/results/fp8_matmul_sweep_triton.json, M = 4096): 128 x 128
-  tiles, 8 warps, 4 stages ran 1-12% faster than 64 x 128 of 4 warps (1072 vs 1218 us at
-  N, K = 7168, 16384) where the tiles fill the last wave of programs to >= 90%; with a ragged
-  last wave (4.1 waves at N = 2112) the smaller tile won by 4%, as it did at M <= 64, where
-  Pallas's decode tiling also held against its neighbours.
+  From the H200 sweep at M = 4096: 128 x 128 tiles, 8 warps, 4 stages ran 1-12% faster than
+  64 x 128 of 4 warps (1072 vs 1218 us at N, K = 7168, 16384) where the tiles fill the last
+  wave of programs to >= 90%; with a ragged last wave (4.1 waves at N = 2112) the smaller tile
+  won by 4%, as it did at M <= 64, where Pallas's decode tiling also held against its
+  neighbours.
 
   One change to it on Hopper: at 33-64 rows (one 64-row tile), where the K split leaves each
   program >= 32 K blocks, 5 stages, if two programs per SM hold the grid (a stage of 64 x 128
   activation and weight is 16 KB: 5 stages fit two programs in 228 KB of shared memory, 4 fit
-  three). Measured at M = 64 in four sweeps (fp8_matmul_sweep_triton_m64_stages / _m64_longk /
-  _s12 / _s13): 5 stages took 3-4% less time at (12288, 4096) (32 blocks a program), 1-2% less
-  at (7168, 16384) (64), the same at (7168, 18432) (72); with 7-16 blocks a program -2% to +6%,
-  and +26% at (24576, 1536) (12 blocks, 384 programs: more than two an SM).
+  three). Measured at M = 64 in four sweeps: 5 stages took 3-4% less time at (12288, 4096)
+  (32 blocks a program), 1-2% less at (7168, 16384) (64), the same at (7168, 18432) (72); with
+  7-16 blocks a program -2% to +6%, and +26% at (24576, 1536) (12 blocks, 384 programs: more
+  than two an SM).
   """
   device_kind = device_kind or _target.current().device_kind
-  sms = pallas.sm_count(device_kind)
+  sms = _target.sm_count(device_kind)
   if m > 64:
     waves = -(-m // 128) * -(-n // 128) * batch / sms
     if waves >= 1 and waves / math.ceil(waves) >= 0.9:
@@ -140,7 +135,7 @@ def heuristics(m: int, n: int, k: int, device_kind: str | None = None, batch: in
   programs = -(-m // config.block_m) * -(-n // config.block_n) * batch * config.k_splits
   per_split = -(-k // BLOCK_K) // config.k_splits
   if (m <= 64 and config.block_m == 64 and per_split >= 32 and programs <= 2 * sms
-      and any(h in device_kind.lower() for h in _HOPPER)):
+      and _target.is_hopper(device_kind)):  # where the rule was measured
     return dataclasses.replace(config, num_stages=5)
   return config
 
@@ -165,7 +160,7 @@ def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Arra
       BLOCK_N=bn, PER_SPLIT=-(-kb // splits), A_COL=a_layout == "col", GROUP_M=GROUP_M,
       # Hopper's fp8 MMA (wgmma) needs 64 rows in M: with fewer tokens, compute w . a^T so
       # the weight's rows fill M and the tokens sit in N (8 to 256 allowed).
-      SWAP=bm < 64 <= bn, A_DIV=b // g, BATCH=b)
+      SWAP=bm < 64 <= bn, A_DIV=b // g, BATCH=b, BK=BLOCK_K)
   return out if splits == 1 else out.sum(axis=0).astype(out_dtype)
 
 

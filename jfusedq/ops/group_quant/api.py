@@ -8,13 +8,13 @@ import math
 
 import jax
 
-from jfusedq.fp8 import Fp8Format, QuantizedActivation, resolve_format
+from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.ops import _common
 from jfusedq.ops._dispatch import dispatch
 from jfusedq.ops.group_quant import pallas, reference, triton
 
 
-def group_quant(x: jax.Array, *, group_size: int = 128, fmt: Fp8Format | str | None = None,
+def group_quant(x: jax.Array, *, group_size: int = BLOCK, fmt: Fp8Format | str | None = None,
                 layout: str = "row", ue8m0: bool = False,
                 implementation: str | Sequence[str] | None = None,
                 config: pallas.Config | None = None) -> QuantizedActivation:

@@ -1,11 +1,11 @@
-"""Per-group (1 x G) FP8 quantisation in plain jnp, float32 throughout (DESIGN.md 3.1)."""
+"""Per-group (1 x G) FP8 quantisation in plain jnp, float32 throughout."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jfusedq.fp8 import Fp8Format, QuantizedActivation
+from jfusedq.fp8 import AMAX_MIN, BLOCK, Fp8Format, QuantizedActivation
 
 
 def pow2_ceil(s: jax.Array) -> jax.Array:
@@ -14,7 +14,7 @@ def pow2_ceil(s: jax.Array) -> jax.Array:
   return jnp.where(m == 0.5, s, jnp.ldexp(jnp.ones_like(s), e))
 
 
-def group_quant(y: jax.Array, fmt: Fp8Format, *, group_size: int = 128, layout: str = "row",
+def group_quant(y: jax.Array, fmt: Fp8Format, *, group_size: int = BLOCK, layout: str = "row",
                 ue8m0: bool = False, hp: jax.Array | None = None) -> QuantizedActivation:
   """Quantise `y [..., K]` in groups of `group_size` consecutive columns.
 
@@ -27,7 +27,7 @@ def group_quant(y: jax.Array, fmt: Fp8Format, *, group_size: int = 128, layout: 
   groups = -(-k // group_size)
   pad = groups * group_size - k
   yg = jnp.pad(y, [(0, 0)] * len(lead) + [(0, pad)]).reshape(*lead, groups, group_size)
-  amax = jnp.maximum(jnp.max(jnp.abs(yg), axis=-1), 1e-10)
+  amax = jnp.maximum(jnp.max(jnp.abs(yg), axis=-1), AMAX_MIN)
   scale = amax / fmt.max
   if ue8m0:
     scale = pow2_ceil(scale)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 
+from jfusedq.fp8 import BLOCK
 from jfusedq.ops._dispatch import dispatch
 from jfusedq.ops.group_quant import pallas as gq_pallas
 from jfusedq.ops.rmsnorm_quant import api as rq_api
@@ -35,7 +36,7 @@ def rmsnorm(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None = Non
 
   Shapes: x, residual `[..., H]`; weight `[H]`; y `[..., H]` in x.dtype.
   """
-  rq_api.check_inputs(x, weight, residual, 128, "row", None, None)
+  rq_api.check_inputs(x, weight, residual, BLOCK, "row", None, None)
 
   def xla():
     h = x if residual is None else add_residual(x, residual)
@@ -51,7 +52,7 @@ def rmsnorm(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None = Non
       flat = lambda a: None if a is None else a.reshape(rows, k)
       _, _, res_out, y, _ = kernels.rmsnorm_quant(
           flat(x), weight, residual=flat(residual), eps=float(eps),
-          weight_offset=float(weight_offset), fmt=None, group_size=128, layout="row", ue8m0=False,
+          weight_offset=float(weight_offset), fmt=None, group_size=BLOCK, layout="row", ue8m0=False,
           keep_hp=True, x2=None, weight2=None, eps2=None, config=config)
       return RmsNormOutput(y.reshape(x.shape),
                            None if res_out is None else res_out.reshape(x.shape))

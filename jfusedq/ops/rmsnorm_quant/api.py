@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import jax
 
-from jfusedq.fp8 import Fp8Format, QuantizedActivation, resolve_format
+from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.ops import _common
 from jfusedq.ops._dispatch import dispatch
 from jfusedq.ops.group_quant import pallas as gq_pallas
@@ -15,14 +15,13 @@ from jfusedq.ops.rmsnorm_quant import pallas, reference, triton
 from jfusedq.ops.rmsnorm_quant.reference import RmsNormQuantOutput
 
 
-# Measured on the H200 (benchmarks/results/rmsnorm_quant_triton.json): the Triton kernel ran
-# 1.05-1.4x as fast as the Pallas one at every T and H (0.90-0.92 of copy bandwidth at
-# T = 16384, where Pallas reached 0.83-0.85); the default order (_dispatch.GPU_ORDER) has it
-# first. Without `triton` installed it declines and Pallas runs.
+# Triton first (_dispatch.GPU_ORDER): on the H200 it ran 1.05-1.4x the Pallas kernel's speed at
+# every T and H (0.90-0.92 of copy bandwidth at T = 16384, where Pallas reached 0.83-0.85).
+# Without `triton` installed it declines and Pallas runs.
 
 
 def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None = None,
-                  eps: float = 1e-6, weight_offset: float = 0.0, group_size: int = 128,
+                  eps: float = 1e-6, weight_offset: float = 0.0, group_size: int = BLOCK,
                   fmt: Fp8Format | str | None = None, layout: str = "row", ue8m0: bool = False,
                   keep_hp: bool = False, x2: jax.Array | None = None,
                   weight2: jax.Array | None = None, eps2: float | None = None,

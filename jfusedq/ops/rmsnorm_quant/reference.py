@@ -1,4 +1,4 @@
-"""Fused add + RMSNorm + per-group FP8 quant in plain jnp, float32 math (DESIGN.md 3.2)."""
+"""Fused add + RMSNorm + per-group FP8 quant in plain jnp, float32 math."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class RmsNormQuantOutput(NamedTuple):
 
 def add_residual(x: jax.Array, residual: jax.Array) -> jax.Array:
   """x + residual in f32, rounded to x.dtype: the new residual stream, which the norm reads
-  (so the fused op equals the unfused `r = x + residual; rmsnorm(r)`, DESIGN.md 3.2 step 1)."""
+  (so the fused op equals the unfused `r = x + residual; rmsnorm(r)`)."""
   r = x.astype(jnp.float32) + residual.astype(jnp.float32)
   # Under jit, XLA on GPU may drop an f32 -> bf16 -> f32 round trip (excess precision allowed),
   # so the norm would read the unrounded sum: a 2**-8 scale error seen on the H200. An explicit
