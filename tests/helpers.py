@@ -1,4 +1,4 @@
-"""Inputs, a float64 numpy oracle and closeness checks for the op tests."""
+"""The op tests' implementations, inputs, a float64 numpy oracle and closeness checks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from jfusedq import _triton
+from jfusedq import _target, _triton
 from jfusedq.fp8 import Fp8Format, QuantizedActivation
 from jfusedq.testing import quant_mismatch
 
@@ -31,10 +31,51 @@ FORMATS = {
 }
 
 
-# implementation="triton" in the shared parametrisations: Triton kernels, compiled by XLA, on a
-# CUDA or ROCm GPU only.
-TRITON = pytest.param("triton", marks=pytest.mark.skipif(
-    not _triton.available(), reason="triton needs a CUDA or ROCm GPU and the triton package"))
+def _triton_missing() -> str | None:
+  """Why the Triton kernels cannot run here (XLA compiles them for a CUDA or ROCm GPU)."""
+  if not _target.current().is_gpu:
+    return "no GPU: Triton kernels need CUDA or ROCm"
+  why = _triton._launcher()  # the real one, or the interpreter of tests/triton_interpret.py
+  return why if isinstance(why, str) else None
+
+
+def _mosaic_gpu_missing() -> str | None:
+  """Why the Mosaic GPU kernel cannot run here: it needs a Hopper GPU, or the CPU interpreter."""
+  target = _target.current()
+  if target.platform == "cpu" or target.is_hopper:
+    return None
+  return f"no Hopper GPU: the Mosaic GPU kernel is built for sm90, not {target.device_kind}"
+
+
+def _impl(name: str, missing: str | None):
+  return pytest.param(name, marks=() if missing is None else pytest.mark.skip(reason=missing))
+
+
+# The implementations each op's shared suite runs over, as pytest params skipped where they
+# cannot run: "xla" is the op's reference.py, which every other is checked against; Pallas runs
+# interpreted on CPU. The Mosaic GPU GEMM builds only K % 128 == 0, N % 64 == 0 and e4m3fn, and
+# its CPU interpreter takes ~3x Pallas's time, so its cases (test_fp8_matmul.py) are its own.
+XLA, PALLAS = "xla", "pallas"
+TRITON = _impl("triton", _triton_missing())
+MOSAIC_GPU = _impl("mosaic_gpu", _mosaic_gpu_missing())
+IMPLEMENTATIONS = {
+    "group_quant": (XLA, PALLAS, TRITON),
+    "rmsnorm": (XLA, PALLAS, TRITON),
+    "rmsnorm_quant": (XLA, PALLAS, TRITON),
+    "fp8_matmul": (XLA, PALLAS, TRITON),
+}
+
+
+def implementations(op: str, *, kernels: bool = False) -> tuple:
+  """`op`'s implementations for `pytest.mark.parametrize`; `kernels`: the tiled ones alone (they
+  take a `config`)."""
+  return tuple(i for i in IMPLEMENTATIONS[op] if not (kernels and i == XLA))
+
+
+def named(table: dict, *names: str) -> list:
+  """Shapes of a `jfusedq.testing` table (the named ones, or all) as params whose ids are their
+  names."""
+  return [pytest.param(table[n], id=n) for n in names or table]
 
 
 def rng(*key) -> np.random.Generator:
@@ -102,7 +143,7 @@ def oracle_rmsnorm(h, w, eps, offset):
       np.asarray(w, np.float64) + offset)
 
 
-# Abstract devices stand in for GPUs this machine does not have (DESIGN.md 4).
+# Abstract devices stand in for GPUs this machine does not have.
 TARGETS = {"h200": ("NVIDIA H200", "cuda"), "gfx950": ("gfx950", "rocm"),
            "gfx942": ("gfx942", "rocm")}
 TRITON_CALL = "__gpu$xla.gpu.triton"

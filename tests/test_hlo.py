@@ -8,11 +8,13 @@ from jax.sharding import PartitionSpec as P
 from helpers import activations, rng, weights
 from jfusedq import rmsnorm_quant
 from jfusedq.hlo import count_kernels, kernel_counts
+from jfusedq.testing import WIDTHS
 
 
 def test_xla_path_counts_fusions():
   r = rng("hlo")
-  x, res, w = activations(r, (4, 2112)), activations(r, (4, 2112)), weights(r, 2112)
+  h = WIDTHS["deepseek_v3.q_a_kv_a"]
+  x, res, w = activations(r, (4, h)), activations(r, (4, h)), weights(r, h)
   c = count_kernels(lambda x, r, w: rmsnorm_quant(x, w, residual=r, implementation="xla"),
                     x, res, w)
   assert c["custom-call"] == 0 and c["collective"] == 0

@@ -6,17 +6,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import FORMATS, activations, rng
+from helpers import FORMATS, activations, implementations, named, rng
 from jfusedq import Fp8Format, QuantizedActivation, default_format, rmsnorm_quant
 from jfusedq.nn import Fp8Linear, Linear, e4m3fn_to_e4m3fnuz, quantize_weight
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
-from jfusedq.testing import rel_rms
+from jfusedq.testing import EDGE_PROJECTIONS, rel_rms
 
 
-@pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz", "e4m3fnuz_224"])
-@pytest.mark.parametrize("n,k", [(256, 384), (200, 300)])
-def test_quantize_weight(fmt, n, k):
-  fmt = FORMATS[fmt]
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", named(EDGE_PROJECTIONS, "small", "partial_blocks"))
+def test_quantize_weight(fmt, shape):
+  (n, k), fmt = shape, FORMATS[fmt]
   w = rng("qw", n, k).standard_normal((n, k)).astype(np.float32)
   q, s = quantize_weight(jnp.asarray(w), fmt)
   assert q.dtype == fmt.dtype and s.shape == (-(-n // 128), -(-k // 128))
@@ -59,7 +59,7 @@ def test_e4m3fn_to_e4m3fnuz():
     e4m3fn_to_e4m3fnuz(qz, sz)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", implementations("fp8_matmul"))
 def test_fp8_linear_input_kinds(impl):
   layer = Fp8Linear(384, 200, fmt="e4m3fn", implementation=impl, rngs=nnx.Rngs(0))
   assert layer.weight[...].dtype == jnp.float8_e4m3fn

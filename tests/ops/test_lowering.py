@@ -5,8 +5,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from helpers import TARGETS, TRITON_CALL, lower
+from helpers import TARGETS, TRITON_CALL, lower, named
 from jfusedq import Fp8Format, default_format, group_quant, rmsnorm_quant
+from jfusedq.testing import WIDTHS
 
 S = jax.ShapeDtypeStruct
 pytestmark = pytest.mark.lowering
@@ -30,7 +31,7 @@ RMS_OPTIONS = {
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("option", RMS_OPTIONS)
 @pytest.mark.parametrize("fmt", ["native", "e4m3fn", "e4m3fnuz"])
-@pytest.mark.parametrize("hidden", [7168, 2112])
+@pytest.mark.parametrize("hidden", named(WIDTHS, "deepseek_v3.hidden", "deepseek_v3.q_a_kv_a"))
 def test_rmsnorm_quant_lowers(target, option, fmt, hidden):
   opt = dict(RMS_OPTIONS[option])
   has_res, has_x2, fmt_max = opt.pop("residual", False), opt.pop("x2", False), opt.pop("fmt_max",
@@ -45,7 +46,8 @@ def test_rmsnorm_quant_lowers(target, option, fmt, hidden):
   text = lower(target, fn, S((2, 8, hidden), jnp.bfloat16), S((2, 8, hidden), jnp.bfloat16),
                S((hidden,), jnp.bfloat16), S((2, 8, 512), jnp.bfloat16), S((512,), jnp.bfloat16))
   assert text.count(TRITON_CALL) == 1
-  want = "f8E4M3FNUZ" if (fmt == "e4m3fnuz" or (fmt == "native" and target == "gfx942")) else "f8E4M3FN>"
+  fnuz = fmt == "e4m3fnuz" or (fmt == "native" and target == "gfx942")
+  want = "f8E4M3FNUZ" if fnuz else "f8E4M3FN>"
   assert want in text
 
 
@@ -53,7 +55,7 @@ def test_rmsnorm_quant_lowers(target, option, fmt, hidden):
 @pytest.mark.parametrize("opt", [dict(), dict(layout="col"), dict(ue8m0=True),
                                  dict(group_size=64), dict(fmt="e4m3fnuz"),
                                  dict(fmt="e4m3fn", layout="col", ue8m0=True)])
-@pytest.mark.parametrize("k", [1536, 576])
+@pytest.mark.parametrize("k", named(WIDTHS, "deepseek_v3.q_lora", "deepseek_v3.kv_a"))
 def test_group_quant_lowers(target, opt, k):
   text = lower(target, lambda x: group_quant(x, implementation="pallas", **opt),
                S((16, k), jnp.bfloat16))
