@@ -87,8 +87,7 @@ def step_bytes(model: nnx.Module, batch: int) -> int:
       total -= stacked - stacked * min(node.weight.shape[0],
                                        batch * cfg.num_experts_per_tok) // node.weight.shape[0]
     elif path and path[-1] == "embed_tokens" and not cfg.tie_word_embeddings:
-      # an Embedding module or a bare Param
-      table = jax.tree.leaves(nnx.state(node) if isinstance(node, nnx.Module) else node)[0]
+      table = node.weight[...]
       total -= _device_bytes(table) - _device_bytes(table) * batch // table.shape[0]
   return total
 
@@ -127,7 +126,7 @@ def main():
     def paths(b: runner.Built) -> dict:
       """{fused: (model, forward, params)}, once per preset: the unfused model is a rebuild."""
       models = {f: b.model if f else b.make(False) for f in (False, True)}
-      return {f: (m, *runner.forward_fn(b, m, args.tp)) for f, m in models.items()}
+      return {f: (m, *runner.forward_fn(m, args.tp)) for f, m in models.items()}
 
     ref_paths = paths(runner.build(preset, tp=args.tp, implementation="xla")) \
         if args.xla_check else None

@@ -97,7 +97,7 @@ def main():
   tok = jax.random.randint(jax.random.key(b), (b, 1), 0, built.model.cfg.vocab_size, jnp.int32)
 
   def logits(bt):
-    fwd, params = runner.forward_fn(bt, bt.model, args.tp)
+    fwd, params = runner.forward_fn(bt.model, args.tp)
     return fwd(params, tok, bt.model.init_cache(b, ctx + 1), jnp.int32(ctx))[0]
 
   want = logits(ref)

@@ -8,8 +8,9 @@ LoRA ranks, expert sizes) with few layers and fewer experts, for GPUs.
 from __future__ import annotations
 
 DEEPSEEK_V3_TINY = dict(
-    vocab_size=512, hidden_size=256, intermediate_size=1024, moe_intermediate_size=256,
-    num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8,
+    model_type="deepseek_v3", vocab_size=512, hidden_size=256, intermediate_size=1024,
+    moe_intermediate_size=256, num_hidden_layers=3, first_k_dense_replace=1,
+    num_attention_heads=8, num_key_value_heads=8,
     q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64,
     v_head_dim=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
     topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, rms_norm_eps=1e-6,
@@ -48,9 +49,10 @@ QWEN3_5_LAYERS = dict(
     num_experts_per_tok=10, max_position_embeddings=262144,
     rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25))
 
+# Preset name -> a Hugging Face config dict (its `model_type` picks the model package).
 PRESETS = {
-    "deepseek-v3-tiny": ("deepseek_v3", DEEPSEEK_V3_TINY),
-    "deepseek-v3-layers": ("deepseek_v3", DEEPSEEK_V3_LAYERS),
-    "qwen3.5-tiny": ("qwen3_5", QWEN3_5_TINY),
-    "qwen3.5-layers": ("qwen3_5", QWEN3_5_LAYERS),
+    "deepseek-v3-tiny": DEEPSEEK_V3_TINY,
+    "deepseek-v3-layers": DEEPSEEK_V3_LAYERS,
+    "qwen3.5-tiny": QWEN3_5_TINY,
+    "qwen3.5-layers": QWEN3_5_LAYERS,
 }

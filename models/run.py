@@ -2,7 +2,7 @@
 and report compile time, latency, throughput, kernels per step and their agreement.
 
 Kernels per decode step are counted from the compiled HLO (`jfusedq.hlo`); the per-layer
-saving of the fused path is (unfused - fused) / layers, the seeds' "-165 kernels" table.
+saving of the fused path is (unfused - fused) / layers.
 Latencies are wall clock around each jitted call (dispatch included): the device-time figures
 for GPUs come from `benchmarks/decode.py`.
 """
@@ -10,9 +10,6 @@ for GPUs come from `benchmarks/decode.py`.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,64 +20,44 @@ import numpy as np
 from flax import nnx
 
 from jfusedq import default_format
-from jfusedq.checkpoint import QuantConfig
 from jfusedq.hlo import kernel_counts
+from models import registry
+from models.common import tp_apply
 from models.presets import PRESETS
-
-_MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "qwen3_5_moe": "qwen3_5",
-                "qwen3_5_moe_text": "qwen3_5", "qwen3_next": "qwen3_5"}
 
 
 @dataclasses.dataclass
 class Built:
-  """A model and how to drive it: `forward(tp)` -> f(tokens, cache, pos) -> (logits, cache)."""
+  """A model and how to rebuild it with another fused setting (the same weights)."""
 
-  name: str  # model module: "deepseek_v3" or "qwen3_5"
   model: nnx.Module
-  layers: int
-  make: Callable[[bool], nnx.Module]  # rebuild with another fused setting (same weights)
+  make: Callable[[bool], nnx.Module]
+
+  @property
+  def layers(self) -> int:
+    return len(self.model.layers)
 
 
-def build(preset: str | None = None, checkpoint: str | None = None, *, quantize: bool = True,
+def build(preset: str | None = None, checkpoint: str | None = None, *, fp8: bool = True,
           fused: bool = True, tp: int = 1, dtype=jnp.bfloat16, seed: int = 0,
           implementation: str | Sequence[str] | None = None) -> Built:
-  """A model from a preset (random weights from `seed`) or a Hugging Face checkpoint;
-  `implementation` is passed to every op the model runs (None: each op's best)."""
-  if checkpoint:
-    with open(os.path.join(checkpoint, "config.json")) as f:
-      mtype = json.load(f).get("model_type", "")
-    if mtype not in _MODEL_TYPES:
-      raise ValueError(f"{checkpoint}: model_type {mtype!r} is not supported "
-                       f"(supported: {sorted(_MODEL_TYPES)})")
-    name, hf = _MODEL_TYPES[mtype], None
-  else:
-    if preset not in PRESETS:
-      raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    name, hf = PRESETS[preset]
-  module = importlib.import_module(f"models.{name}")
-  tp_kw = {"tp_axis": "tp"} if name == "qwen3_5" and tp > 1 else {}
+  """A model from a preset (random weights from `seed`) or a Hugging Face checkpoint, built
+  for `tp` tensor-parallel devices (mesh axis "tp"); `implementation` is passed to every op
+  the model runs (None: each op's best)."""
+  if not checkpoint and preset not in PRESETS:
+    raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+  kw = dict(fp8=fp8, dtype=dtype, tp_axis="tp" if tp > 1 else None,
+            implementation=implementation)
 
   def make(fused: bool) -> nnx.Module:
-    impl = {"implementation": implementation}
-    if checkpoint and name == "deepseek_v3":
-      return module.from_pretrained(checkpoint, quantize=quantize or None, fused=fused,
-                                    dtype=dtype, **impl)
     if checkpoint:
-      return module.from_pretrained(checkpoint, fp8=quantize, fused=fused, dtype=dtype,
-                                    **tp_kw, **impl)
-    quant = QuantConfig(default_format()) if quantize else None
-    if name == "deepseek_v3":
-      return module.DeepseekV3ForCausalLM(module.DeepseekV3Config.from_hf(hf), quant=quant,
-                                          fused=fused, dtype=dtype, rngs=nnx.Rngs(seed), **impl)
-    return module.Qwen35ForCausalLM(module.Qwen35Config.from_hf(hf), quant=quant, fused=fused,
-                                    dtype=dtype, rngs=nnx.Rngs(seed), **tp_kw, **impl)
+      return registry.from_pretrained(checkpoint, fused=fused, **kw)
+    return registry.build(PRESETS[preset], seed=seed, fused=fused, **kw)
 
-  model = make(fused)
-  cfg = model.cfg
-  return Built(name, model, getattr(cfg, "num_hidden_layers", None) or cfg.num_layers, make)
+  return Built(make(fused), make)
 
 
-def forward_fn(built: Built, model: nnx.Module, tp: int):
+def forward_fn(model: nnx.Module, tp: int):
   """`(forward(params, tokens, cache, pos) -> (logits, cache), params)` for `model` on `tp`
   devices. The weights are an argument, never a closure: a jit would capture closed-over
   arrays as constants of the program (gigabytes for the `-layers` presets, and a compile that
@@ -90,12 +67,7 @@ def forward_fn(built: Built, model: nnx.Module, tp: int):
   host each time it is launched."""
   if tp > 1:
     mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp])
-    module = importlib.import_module(f"models.{built.name}")
-    if built.name == "qwen3_5":
-      apply, state = module.tp_apply(model, mesh, with_cache=True, explicit_params=True)
-    else:
-      apply, state = module.shard_forward(model, mesh, "tp", with_cache=True,
-                                          explicit_params=True)
+    apply, state = tp_apply(model, mesh, with_cache=True, explicit_params=True)
   else:
     graphdef, state = nnx.split(model)
     apply = lambda params, tokens, cache, pos: nnx.merge(graphdef, params)(
@@ -122,7 +94,7 @@ def run_one(built: Built, fused: bool, tokens: jax.Array, steps: int, tp: int,
   """Prefill `tokens [B, T]`, then `steps` greedy decode steps (or the `forced` tokens)."""
   model = built.model if fused else built.make(False)
   b, t = tokens.shape
-  forward, params = forward_fn(built, model, tp)
+  forward, params = forward_fn(model, tp)
   prefill = jax.jit(lambda params, tok, cache: forward(params, tok, cache, 0))
   decode = jax.jit(forward)
   cache = model.init_cache(b, t + steps)
@@ -166,8 +138,8 @@ def agreement(a: np.ndarray, b: np.ndarray) -> dict:
 
 
 def run(preset=None, checkpoint=None, *, batch=2, prompt_len=16, steps=8, tp=1, compare=True,
-        quantize=True, seed=0) -> dict:
-  built = build(preset, checkpoint, quantize=quantize, tp=tp, seed=seed)
+        fp8=True, seed=0) -> dict:
+  built = build(preset, checkpoint, fp8=fp8, tp=tp, seed=seed)
   vocab = built.model.cfg.vocab_size
   tokens = jax.random.randint(jax.random.key(seed + 1), (batch, prompt_len), 0, vocab, jnp.int32)
   fused = run_one(built, True, tokens, steps, tp)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfusedq.cli import main
+from models.cli import main
 from models import run as runner
 
 
@@ -45,7 +45,7 @@ def test_step_takes_weights_as_arguments(preset, tp):
   """A jit of the step must not capture the weights as constants: on the H200 the -layers
   presets captured 5-7 GB that way and the compile never finished."""
   built = runner.build(preset, tp=tp)
-  forward, params = runner.forward_fn(built, built.model, tp)
+  forward, params = runner.forward_fn(built.model, tp)
   # a flat list: an nnx.State argument costs the host 3-4x more to flatten at every call
   assert isinstance(params, list) and all(isinstance(p, jax.Array) for p in params)
   tok = jax.random.randint(jax.random.key(0), (1, 1), 0, built.model.cfg.vocab_size)
@@ -62,10 +62,13 @@ def test_run_errors(capsys):
 
 
 def test_plot(tmp_path):
-  png = tmp_path / "rq.png"
-  results = pathlib.Path(__file__).parent.parent / "benchmarks/results/rmsnorm_quant.json"
-  assert main(["plot", str(results), "--out", str(png)]) == 0
-  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  """Every benchmark results file in the repository plots."""
+  files = sorted((pathlib.Path(__file__).parent.parent / "benchmarks/results").glob("*.json"))
+  assert files
+  for results in files:
+    png = tmp_path / f"{results.stem}.png"
+    assert main(["plot", str(results), "--out", str(png)]) == 0, results
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_marks_failed_rows_and_names_cases(tmp_path):

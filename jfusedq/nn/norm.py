@@ -7,32 +7,41 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from jfusedq.fp8 import Fp8Format, QuantizedActivation
 from jfusedq.ops.rmsnorm import rmsnorm
 from jfusedq.ops.rmsnorm_quant import rmsnorm_quant
+from jfusedq.parallel import allreduce_rmsnorm_quant
 
 
 class RMSNorm(nnx.Module):
-  """(Residual add +) RMSNorm, optionally fused with per-group FP8 quantisation.
+  """(All-reduce +) (residual add +) RMSNorm, optionally fused with per-group FP8 quantisation.
 
+    x = psum(x) over `axis_name` (when given: x is this device's partial sum)
     h = x + residual (rounded to `dtype`; h = x without a residual)
     y = h * rsqrt(mean(h^2) + eps) * (w + weight_offset)      (in f32)
 
   Shapes: x, residual `[..., H]`; weight `[H]`. With `quant=False` y is returned in `dtype`;
   with `quant=True` it is a `QuantizedActivation` (q `[..., H]` fp8, scale `[..., ceil(H/G)]`,
-  plus `hp` = y in `dtype` when `keep_hp`) made by the fused `rmsnorm_quant` kernel. Returns y
-  alone without a residual, `(y, h)` with one, like SGLang's RMSNorm (h is the new residual).
+  plus `hp` = y in `dtype` when `keep_hp`) made by the fused `rmsnorm_quant` kernel, or with
+  `axis_name` by `jfusedq.parallel.allreduce_rmsnorm_quant` (psum + add + norm + quant as one
+  step, its strategy chosen by `ar_strategy`). Returns y alone without a residual, `(y, h)`
+  with one, like SGLang's RMSNorm (h is the new residual). Call it inside `jax.shard_map` over
+  `axis_name` when that is set.
   """
 
   def __init__(self, num_features: int, *, eps: float = 1e-6, weight_offset: float = 0.0,
                quant: bool = False, keep_hp: bool = False, fmt: Fp8Format | str | None = None,
-               group_size: int = 128, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-               scale_init=nnx.initializers.ones, implementation: str | Sequence[str] | None = None,
-               rngs: nnx.Rngs):
+               group_size: int = 128, axis_name: str | None = None,
+               ar_strategy: str | Sequence[str] | None = None, dtype=jnp.bfloat16,
+               param_dtype=jnp.bfloat16, scale_init=nnx.initializers.ones,
+               implementation: str | Sequence[str] | None = None, rngs: nnx.Rngs):
     self.weight = nnx.Param(scale_init(rngs.params(), (num_features,), param_dtype))
     self.eps, self.weight_offset = float(eps), float(weight_offset)
     self.quant, self.keep_hp, self.fmt, self.group_size = quant, keep_hp, fmt, group_size
+    self.axis_name = axis_name
+    self.ar_strategy = tuple(ar_strategy) if isinstance(ar_strategy, list) else ar_strategy
     self.dtype = dtype
     self.implementation = implementation
 
@@ -44,6 +53,15 @@ class RMSNorm(nnx.Module):
     x = x.astype(self.dtype)
     residual = None if residual is None else residual.astype(self.dtype)
     w = self.weight[...]
+    if quant and self.axis_name is not None:
+      y, h = allreduce_rmsnorm_quant(x, residual, w, axis_name=self.axis_name, eps=self.eps,
+                                     weight_offset=self.weight_offset,
+                                     group_size=self.group_size, fmt=self.fmt,
+                                     keep_bf16=keep_hp, strategy=self.ar_strategy,
+                                     implementation=self.implementation)
+      return y if residual is None else (y, h)
+    if self.axis_name is not None:
+      x = lax.psum(x, self.axis_name)
     if quant:
       out = rmsnorm_quant(x, w, residual=residual, eps=self.eps, weight_offset=self.weight_offset,
                           group_size=self.group_size, fmt=self.fmt, keep_hp=keep_hp,
@@ -54,3 +72,19 @@ class RMSNorm(nnx.Module):
                     implementation=self.implementation)
       y = out.y
     return y if residual is None else (y, out.residual)
+
+  def dual(self, x: jax.Array, second: RMSNorm, x2: jax.Array
+           ) -> tuple[QuantizedActivation, jax.Array]:
+    """This norm of x quantised, and `second`'s norm of x2 in its dtype, in one kernel launch
+    (DeepSeek MLA: q_a_layernorm feeds the FP8 q_b_proj, kv_a_layernorm the latent cache).
+
+    x `[..., H]`, x2 `[..., H2]`; no residual, no all-reduce. Returns (QuantizedActivation of
+    `[..., H]`, `[..., H2]`)."""
+    if second.weight_offset != self.weight_offset:
+      raise ValueError("the dual-input kernel applies one weight_offset to both norms; got "
+                       f"{self.weight_offset} and {second.weight_offset}")
+    out = rmsnorm_quant(x.astype(self.dtype), self.weight[...], x2=x2.astype(second.dtype),
+                        weight2=second.weight[...], eps=self.eps, eps2=second.eps,
+                        weight_offset=self.weight_offset, group_size=self.group_size,
+                        fmt=self.fmt, implementation=self.implementation)
+    return out.quant, out.norm2

@@ -56,11 +56,11 @@ def jit_logits(model, toks) -> np.ndarray:
 
 
 @functools.cache
-def logits(which: str, fused: bool = True, quantize: bool | None = None,
+def logits(which: str, fused: bool = True, fp8: bool | None = None,
            dtype: str = "bfloat16", batch: int | None = None, seq: int | None = None
            ) -> np.ndarray:
   """Logits of the reference tokens [:batch, :seq] (all by default), once per test process."""
   dt = jnp.dtype(dtype)
-  model = load(which, quantize=quantize, fused=fused, dtype=dt,
+  model = load(which, fp8=fp8, fused=fused, dtype=dt,
                param_dtype=dt if dt == jnp.float32 else jnp.bfloat16)
   return jit_logits(model, tokens()[:batch, :seq])

@@ -209,7 +209,7 @@ def test_modules_to_not_convert(tmp_path):
     config["quantization_config"]["modules_to_not_convert"] = ["lm_head",
                                                                "layers.0.self_attn.o_proj"]
   model = ds.from_pretrained(_copy_fp8(tmp_path, edit))
-  attn = model.model.layers[0].self_attn
+  attn = model.layers[0].self_attn
   assert attn.o_proj.weight[...].dtype == jnp.bfloat16
   assert attn.q_b_proj.weight[...].dtype == jnp.float8_e4m3fn
-  assert model.model.layers[1].self_attn.o_proj.weight[...].dtype == jnp.float8_e4m3fn
+  assert model.layers[1].self_attn.o_proj.weight[...].dtype == jnp.float8_e4m3fn

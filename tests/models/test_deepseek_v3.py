@@ -12,12 +12,14 @@ from flax import nnx
 import ds_reference as ref
 from helpers import rng
 from jfusedq import rmsnorm_quant
-from jfusedq.checkpoint import QuantConfig
+from jfusedq.checkpoint import Checkpoint, QuantConfig
 from jfusedq.fp8 import Fp8Format
 from jfusedq.nn import Fp8Linear, Linear
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
 from jfusedq.testing import code_index, rel_rms
+from jfusedq.nn import norm as nn_norm
 from models import deepseek_v3 as ds
+from models.common import tp_apply
 
 # The FP8 path against the bf16 path, 256 tokens of the reference batch. Each FP8 GEMM carries
 # ~4% relative rounding noise (3 mantissa bits on both operands), which reaches the logits at
@@ -56,7 +58,7 @@ def test_config_from_hf():
   assert y.factor == 4.0 and y.mscale == 0.707 and y.mscale_all_dim == 1.0
   assert cfg.rope_theta == 10000.0
   # transformers 4.x / DeepSeek's own config.json spell RoPE as rope_scaling + rope_theta.
-  old = dict(ds.Checkpoint(ref.ref_path("hf")).config)
+  old = dict(Checkpoint(ref.ref_path("hf")).config)
   rope = dict(old.pop("rope_parameters"))
   old["rope_theta"] = rope.pop("rope_theta")
   old["rope_scaling"] = {**rope, "type": rope.pop("rope_type")}
@@ -67,7 +69,7 @@ def test_config_from_hf():
 
 def test_unquantised_matches_hf():
   # f32 everywhere: what is left is summation order (XLA vs PyTorch), ~1e-6 relative measured.
-  got = ref.logits("hf", quantize=False, dtype="float32")
+  got = ref.logits("hf", fp8=False, dtype="float32")
   want = ref.hf_logits()
   assert got.shape == want.shape == (ref.meta()["batch"], ref.meta()["seq"], 512)
   assert rel_rms(got, want) <= 1e-4
@@ -75,20 +77,20 @@ def test_unquantised_matches_hf():
 
 
 def test_unquantised_loads_as_plain_layers():
-  model = ref.load("hf", quantize=False)
-  layer = model.model.layers[1]
+  model = ref.load("hf", fp8=False)
+  layer = model.layers[1]
   assert isinstance(layer.self_attn.q_b_proj, Linear)
   assert layer.mlp.experts.gate_proj.weight[...].dtype == jnp.bfloat16
   assert model.lm_head.weight[...].dtype == jnp.bfloat16
   # An FP8 checkpoint loaded unquantised: projections dequantised to bf16.
-  deq = ref.load("fp8", quantize=False)
-  assert isinstance(deq.model.layers[0].mlp.down_proj, Linear)
+  deq = ref.load("fp8", fp8=False)
+  assert isinstance(deq.layers[0].mlp.down_proj, Linear)
 
 
 def test_fp8_checkpoint_equals_quantised_on_load():
   """DeepSeek's FP8 format (written by PyTorch) == the f32 checkpoint quantised on load."""
-  a, b = ref.load("fp8"), ref.load("hf", quantize=True)
-  assert a.quant == QuantConfig(Fp8Format.e4m3fn(), ("lm_head",))
+  a, b = ref.load("fp8"), ref.load("hf", fp8=True)
+  assert a.opts.quant == QuantConfig(Fp8Format.e4m3fn(), ("lm_head",))
   fa, fb = nnx.to_flat_state(nnx.state(a, nnx.Param)), nnx.to_flat_state(nnx.state(b, nnx.Param))
   assert [p for p, _ in fa] == [p for p, _ in fb]
   n_fp8 = 0
@@ -112,21 +114,21 @@ def test_fp8_checkpoint_equals_quantised_on_load():
                                     err_msg=str(path))
   # Per layer: fused q_a+kv_a, q_b, kv_b, o_proj; dense MLP 3 / MoE 3 stacked + 3 shared.
   assert n_fp8 == 4 + 3 + 4 + 6
-  fused = a.model.layers[0].self_attn.fused_qkv_a_proj_with_mqa
+  fused = a.layers[0].self_attn.fused_qkv_a_proj_with_mqa
   assert isinstance(fused, Fp8Linear) and fused.weight[...].shape == (320, 256)
 
 
 def test_fp8_to_fnuz_is_exact():
   """Loading the e4m3fn checkpoint for MI300 (e4m3fnuz) keeps every dequantised weight."""
   a, b = ref.load("fp8"), ref.load("fp8", fmt="e4m3fnuz")
-  for la, lb in ((a.model.layers[0].self_attn.q_b_proj, b.model.layers[0].self_attn.q_b_proj),
-                 (a.model.layers[1].mlp.shared_experts.down_proj,
-                  b.model.layers[1].mlp.shared_experts.down_proj)):
+  for la, lb in ((a.layers[0].self_attn.q_b_proj, b.layers[0].self_attn.q_b_proj),
+                 (a.layers[1].mlp.shared_experts.down_proj,
+                  b.layers[1].mlp.shared_experts.down_proj)):
     assert lb.weight[...].dtype == jnp.float8_e4m3fnuz
     np.testing.assert_array_equal(
         np.asarray(dequantize_weight(la.weight[...], la.weight_scale_inv[...])),
         np.asarray(dequantize_weight(lb.weight[...], lb.weight_scale_inv[...])))
-  ea, eb = a.model.layers[1].mlp.experts.down_proj, b.model.layers[1].mlp.experts.down_proj
+  ea, eb = a.layers[1].mlp.experts.down_proj, b.layers[1].mlp.experts.down_proj
   assert eb.weight[...].dtype == jnp.float8_e4m3fnuz
   np.testing.assert_array_equal(np.asarray(jax.vmap(dequantize_weight)(ea.weight[...],
                                                                       ea.weight_scale_inv[...])),
@@ -138,13 +140,16 @@ def test_fused_equals_unfused_f32(monkeypatch):
   """Same FP8 weights, f32 activations: the fused kernels and the unfused chain (rmsnorm, then
   quantisation inside each projection) quantise the same f32 values."""
   calls = []
-  real = ds.rmsnorm_quant
-  monkeypatch.setattr(ds, "rmsnorm_quant",
+  real = nn_norm.rmsnorm_quant
+  monkeypatch.setattr(nn_norm, "rmsnorm_quant",
                       lambda *a, **k: calls.append(k.get("x2") is not None) or real(*a, **k))
   fused = ref.logits("fp8", fused=True, dtype="float32")
+  # One dual-input q_a/kv_a norm per layer (x2 given) on the fused path, besides the prepare
+  # steps' fused norms; the unfused path runs no fused norm at all.
+  assert sum(calls) == ref.meta()["config"]["num_hidden_layers"]
+  calls.clear()
   unfused = ref.logits("fp8", fused=False, dtype="float32")
-  # One dual-input q_a/kv_a norm per layer (x2 given) on the fused path, none unfused.
-  assert calls == [True] * ref.meta()["config"]["num_hidden_layers"]
+  assert calls == []
   # Only XLA's op order differs between the two norms: a few f32 ulps, which move an FP8 code
   # only at a rounding midpoint; measured 3e-7.
   assert rel_rms(unfused, fused) <= 1e-5
@@ -152,7 +157,7 @@ def test_fused_equals_unfused_f32(monkeypatch):
 
 def test_fused_and_unfused_agree_bf16():
   """bf16 activations: the unfused chain quantises the bf16-rounded norm output, so ~2% of
-  codes move by one step (DESIGN.md 3.2); logits differ by ~1.5% relative (measured), and a
+  codes move by one step; logits differ by ~1.5% relative (measured), and a
   token's expert choice can flip."""
   fused, unfused = ref.logits("fp8", fused=True), ref.logits("fp8", fused=False)
   assert rel_rms(unfused, fused) <= 0.04
@@ -161,7 +166,7 @@ def test_fused_and_unfused_agree_bf16():
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 def test_fp8_agrees_with_bf16(fused):
-  bf16 = ref.logits("hf", quantize=False)
+  bf16 = ref.logits("hf", fp8=False)
   fp8 = ref.logits("fp8", fused=fused)
   agree, div = top1(fp8, bf16), kl(bf16, fp8)
   print(f"FP8 ({'fused' if fused else 'unfused'}) vs bf16: top-1 agreement {agree:.4f}, "
@@ -187,7 +192,7 @@ def _decode(model, toks, prefill: int):
 @pytest.mark.parametrize("which,kw,tol", [
     # f32: the cached path attends over MLA's latent with kv_b_proj absorbed, the recompute
     # per head: the same sums in another order; measured 1.4e-7.
-    ("hf", dict(quantize=False, dtype=jnp.float32, param_dtype=jnp.float32), 1e-5),
+    ("hf", dict(fp8=False, dtype=jnp.float32, param_dtype=jnp.float32), 1e-5),
     # FP8, f32 activations: the prefill positions agree to 2e-7, the decoded ones to 2.4e-4: an
     # f32 ulp of difference can move a later activation's FP8 code by a step (a 2**-4 relative
     # change of that value). 2e-3 still fails on any real error (a wrong head or scale is O(1)).
@@ -215,23 +220,23 @@ def test_cache_is_latent(which):
     assert c.kv.shape == (3, 7, cfg.kv_lora_rank)
     assert c.k_pe.shape == (3, 7, cfg.qk_rope_head_dim)
     if which == "fp8":
-      assert c.kv.dtype == model.model.layers[0].self_attn.kv_b_proj.weight.dtype
+      assert c.kv.dtype == model.layers[0].self_attn.kv_b_proj.weight.dtype
       assert c.kv_scale.shape == (3, 7, -(-cfg.kv_lora_rank // 128))
     else:
-      assert c.kv.dtype == model.dtype and c.kv_scale is None
+      assert c.kv.dtype == model.opts.dtype and c.kv_scale is None
 
 
 @pytest.mark.parametrize("n,dtype", [(2, "float32"), (4, "float32"), (8, "float32"),
                                      (8, "bfloat16")])
 def test_tensor_parallel_equals_single_device(n, dtype, monkeypatch):
   calls = []
-  real = ds.allreduce_rmsnorm_quant
-  monkeypatch.setattr(ds, "allreduce_rmsnorm_quant",
+  real = nn_norm.allreduce_rmsnorm_quant
+  monkeypatch.setattr(nn_norm, "allreduce_rmsnorm_quant",
                       lambda *a, **k: calls.append(k["axis_name"]) or real(*a, **k))
-  model = ref.load("fp8", dtype=jnp.dtype(dtype))
+  model = ref.load("fp8", dtype=jnp.dtype(dtype), tp_axis="tp")
   want = ref.logits("fp8", dtype=dtype, batch=2, seq=8)
   mesh = jax.make_mesh((n,), ("tp",), devices=jax.devices()[:n])
-  got = np.asarray(jax.jit(ds.shard_forward(model, mesh))(ref.tokens()[:2, :8]), np.float32)
+  got = np.asarray(tp_apply(model, mesh)(ref.tokens()[:2, :8]).logits, np.float32)
   # Fused all-reduce + norm + quant at every prepare step after the embedding: layer 0's
   # prepare_mlp, layer 1's prepare_attn and prepare_mlp.
   assert calls == ["tp"] * 3
@@ -247,11 +252,11 @@ def test_tensor_parallel_equals_single_device(n, dtype, monkeypatch):
 def test_tensor_parallel_unfused_with_cache():
   """The unfused chain under TP (psum + rmsnorm + quant in the projections), prefill + decode,
   against one device recomputing everything."""
-  model = ref.load("fp8", fused=False, dtype=jnp.float32)
+  model = ref.load("fp8", fused=False, dtype=jnp.float32, tp_axis="tp")
   toks = ref.tokens()[:2, :6]
   want = ref.logits("fp8", fused=False, dtype="float32", batch=2, seq=6)
   mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
-  step = jax.jit(ds.shard_forward(model, mesh, with_cache=True))
+  step = tp_apply(model, mesh, with_cache=True)
   cache = model.init_cache(2, 6)
   logits, cache = step(toks[:, :4], cache, 0)
   out = [logits]
@@ -264,8 +269,7 @@ def test_tensor_parallel_unfused_with_cache():
 
 def test_random_init_model():
   """A model built from a config with random weights (no checkpoint) runs under jit."""
-  model = ds.DeepseekV3ForCausalLM(TINY, quant=QuantConfig(Fp8Format.e4m3fn()),
-                                   rngs=nnx.Rngs(0))
+  model = ds.DeepseekV3ForCausalLM(TINY, fp8=QuantConfig(Fp8Format.e4m3fn()), rngs=nnx.Rngs(0))
   out = ref.jit_logits(model, jnp.asarray([[1, 2, 3]]))
   assert out.shape == (1, 3, 64) and np.all(np.isfinite(out)) and np.std(out) > 0
 
@@ -273,9 +277,9 @@ def test_random_init_model():
 @pytest.mark.parametrize("quant", [True, False], ids=["fp8", "bf16"])
 def test_moe_gathered_equals_dense(quant):
   """The decode formulation (each token reads its top_k experts) against the dense one."""
-  model = ds.DeepseekV3ForCausalLM(TINY, quant=QuantConfig(Fp8Format.e4m3fn()) if quant else None,
+  model = ds.DeepseekV3ForCausalLM(TINY, fp8=QuantConfig(Fp8Format.e4m3fn()) if quant else False,
                                    rngs=nnx.Rngs(1))
-  moe = model.model.layers[1].mlp
+  moe = model.layers[1].mlp
   x = jnp.asarray(rng("moe").standard_normal((2, 3, TINY.hidden_size)), jnp.bfloat16)
   xq = rmsnorm_quant(x, jnp.ones(TINY.hidden_size, jnp.bfloat16) * 0.7, fmt="e4m3fn",
                      keep_hp=True).quant
@@ -292,7 +296,7 @@ def test_moe_gathered_equals_dense(quant):
 def test_tensor_parallel_rejects_split_fp8_blocks():
   """Per-device FP8 rows that would cut a 128 x 128 block (one scale) are refused."""
   model = nnx.eval_shape(lambda: ds.DeepseekV3ForCausalLM(
-      TINY, quant=QuantConfig(Fp8Format.e4m3fn()), rngs=nnx.Rngs(0)))
+      TINY, fp8=QuantConfig(Fp8Format.e4m3fn()), tp_axis="tp", rngs=nnx.Rngs(0)))
   mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
   with pytest.raises(ValueError, match="self_attn.*straddle"):
-    ds.shard_forward(model, mesh)
+    tp_apply(model, mesh)

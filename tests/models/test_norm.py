@@ -1,12 +1,15 @@
 """jfusedq.nn.RMSNorm (jfusedq/nn/norm.py, tested here with the models that use it): plain,
-with a residual, and returning the quantised tuple through the fused kernel."""
+with a residual, returning the quantised tuple through the fused kernel, all-reducing its
+input under tensor parallelism, and the dual-input (MLA) form."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from helpers import activations, assert_outputs_close, rng, weights
+from helpers import activations, assert_outputs_close, assert_quant_close, rng, weights
 from jfusedq import QuantizedActivation, rmsnorm, rmsnorm_quant
 from jfusedq.nn.norm import RMSNorm
 
@@ -43,3 +46,43 @@ def test_quantised_tuple():
   # Without a residual only the tuple comes back; quant=False per call gives the plain norm.
   assert isinstance(norm(x), QuantizedActivation)
   assert norm(x, quant=False).dtype == jnp.bfloat16
+
+
+def test_all_reduce_path():
+  """With `axis_name` the norm all-reduces its input first: psum + add + norm (+ quant, through
+  allreduce_rmsnorm_quant) inside shard_map equals the single-device norm of the sum."""
+  n = 2
+  mesh = jax.make_mesh((n,), ("tp",), devices=jax.devices()[:n])
+  r = rng("norm-ar")
+  parts = jnp.stack([activations(r, (3, 576)) for _ in range(n)])  # device i's partial sum
+  res = activations(r, (3, 576))
+  norm = _norm(axis_name="tp")
+  plain = _norm()
+  want_y, want_h = plain(jnp.sum(parts.astype(jnp.float32), 0).astype(jnp.bfloat16), res,
+                         quant=True)
+  for quant in (True, False):
+    f = jax.shard_map(lambda p, r: norm(p[0], r, quant=quant), mesh=mesh,
+                      in_specs=(P("tp"), P()), out_specs=P(), check_vma=False)
+    y, h = jax.jit(f)(jax.device_put(parts, NamedSharding(mesh, P("tp"))),
+                      jax.device_put(res, NamedSharding(mesh, P())))
+    np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(want_h, np.float32))
+    if quant:
+      assert_quant_close(y, want_y)
+    else:
+      np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                    np.asarray(plain(want_h), np.float32))
+
+
+def test_dual():
+  """`dual`: this norm quantised and a second norm in bf16, one rmsnorm_quant launch."""
+  a, b = _norm(), RMSNorm(128, eps=1e-6, rngs=nnx.Rngs(1))
+  b.weight[...] = weights(rng("norm-w2"), 128)
+  r = rng("norm-dual")
+  x, x2 = activations(r, (4, 576)), activations(r, (4, 128))
+  q, y2 = a.dual(x, b, x2)
+  want = rmsnorm_quant(x, a.weight[...], x2=x2, weight2=b.weight[...], eps=1e-5, eps2=1e-6,
+                       fmt="e4m3fn")
+  assert_outputs_close(want._replace(quant=q), want)
+  np.testing.assert_array_equal(np.asarray(y2, np.float32), np.asarray(b(x2), np.float32))
+  np.testing.assert_array_equal(np.asarray(want.norm2, np.float32),
+                                np.asarray(b(x2), np.float32))

@@ -1,4 +1,4 @@
-"""Qwen3.5 MoE / Qwen3-Next (models/qwen3_5.py) against the Hugging Face implementation.
+"""Qwen3.5 MoE / Qwen3-Next (models/qwen3_5/) against the Hugging Face implementation.
 
 The reference (a tiny random Qwen3_5MoeForCausalLM and Qwen3NextForCausalLM, their checkpoints
 in several layouts, HF logits) is built by tests/models/hf_reference_qwen3_5.py under the
@@ -31,6 +31,7 @@ from jfusedq.fp8 import QuantizedActivation  # noqa: E402
 from jfusedq.nn import Fp8Linear, Linear, quantize_weight  # noqa: E402
 from jfusedq.testing import code_index, rel_rms  # noqa: E402
 from models import qwen3_5 as qw  # noqa: E402
+from models.common import tp_apply  # noqa: E402
 
 REF = os.path.join(ROOT, "build", "hf_reference_qwen3_5")
 CMD = ".venv-hf/bin/python tests/models/hf_reference_qwen3_5.py build/hf_reference_qwen3_5"
@@ -60,13 +61,17 @@ def tokens() -> np.ndarray:
   return np.load(ref("tokens.npy"))
 
 
+# The unquantised path in f32: the exact comparison with Hugging Face.
+F32 = dict(fp8=False, dtype=jnp.float32, param_dtype=jnp.float32)
+
+
 @functools.cache
 def model(ckpt: str, **kw) -> qw.Qwen35ForCausalLM:
   return qw.from_pretrained(ref(ckpt), **kw)
 
 
 def f32_model() -> qw.Qwen35ForCausalLM:
-  return model("hf", fp8=False)
+  return model("hf", **F32)
 
 
 def fp8_model(fused: bool = True, **kw) -> qw.Qwen35ForCausalLM:
@@ -126,7 +131,7 @@ def test_config_from_hf():
 def test_unquantised_matches_hf(ckpt, logits):
   ids, want = tokens(), np.load(ref(logits))
   assert ids.shape[1] > qw.CHUNK  # the chunked delta rule crosses a chunk boundary
-  got = forward(model(ckpt, fp8=False), ids)
+  got = forward(model(ckpt, **F32), ids)
   assert rel_max(got, want) <= HF_RTOL
   assert rel_rms(got, want) <= HF_RTOL
 
@@ -200,8 +205,8 @@ def test_fused_handoff_equals_unfused():
         np.testing.assert_array_equal(np.asarray(qa.hp), np.asarray(y))
       want = jfusedq.group_quant(y, fmt=qa.q.dtype.name)
       # The fused kernel quantises the f32 norm, the unfused path its bf16 rounding: a code
-      # moves (one step) only where the two straddle an FP8 rounding midpoint, ~2% of codes
-      # (DESIGN.md 3.2); a scale moves by at most the bf16 rounding of the group's amax.
+      # moves (one step) only where the two straddle an FP8 rounding midpoint, ~2% of codes;
+      # a scale moves by at most the bf16 rounding of the group's amax.
       steps = np.abs(code_index(qa.q) - code_index(want.q))
       assert steps.max() <= 1 and steps.mean() <= 0.05
       np.testing.assert_allclose(np.asarray(qa.scale), np.asarray(want.scale), rtol=2.0**-8)
@@ -211,7 +216,7 @@ def test_fused_flag_per_layer():
   m = model("fp8", fp8=True, fused=(True, False, False, True))
   assert [l.fused for l in m.layers] == [True, False, False, True]
   # The unquantised path has nothing to fuse, whatever is asked.
-  assert not any(l.fused for l in model("hf", fp8=False, fused=True).layers)
+  assert not any(l.fused for l in model("hf", **F32, fused=True).layers)
   with pytest.raises(ValueError, match="3 flags for 4 layers"):
     qw.from_pretrained(ref("fp8"), fused=(True, True, True))
 
@@ -338,8 +343,8 @@ def mesh(n: int):
 
 def per_device_norm_input(m: qw.Qwen35ForCausalLM, ids):
   """Specs of what prepare_* hands allreduce_rmsnorm_quant on one device (replicated rows)."""
-  x = jax.ShapeDtypeStruct((*ids.shape, m.cfg.hidden_size), m.ctx.dtype)
-  return x, jax.ShapeDtypeStruct((m.cfg.hidden_size,), m.ctx.param_dtype)
+  x = jax.ShapeDtypeStruct((*ids.shape, m.cfg.hidden_size), m.opts.dtype)
+  return x, jax.ShapeDtypeStruct((m.cfg.hidden_size,), m.opts.param_dtype)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -348,7 +353,7 @@ def test_tensor_parallel(tp):
   if len(jax.devices()) < tp:
     pytest.fail(f"needs {tp} devices; tests/conftest.py simulates 8 CPU devices")
   # Unquantised f32: only the order of the f32 partial sums changes.
-  got, _ = qw.tp_apply(model("hf", fp8=False, tp_axis="tp"), mesh(tp))(ids)
+  got, _ = tp_apply(model("hf", **F32, tp_axis="tp"), mesh(tp))(ids)
   assert rel_max(got, forward(f32_model(), ids)) <= F32_RTOL
   # FP8 fused path. ar_strategy="fused" names the strategy, and a named strategy never falls
   # back (it is built or raises), so this run took the fused all-reduce + norm + quant at every
@@ -357,7 +362,7 @@ def test_tensor_parallel(tp):
   x, w = per_device_norm_input(m, ids)
   for keep in (False, True):
     assert jfusedq.chosen_strategy(x, w, residual=x, weight_offset=1.0, keep_bf16=keep) == "fused"
-  got, _ = qw.tp_apply(m, mesh(tp))(ids)
+  got, _ = tp_apply(m, mesh(tp))(ids)
   # bf16 partial sums are rounded per device before the psum, unlike one device's f32
   # accumulation: bf16-level changes that move a few FP8 codes. Measured: top-1 98.8%, KL 4e-4.
   top1, kl = agreement(got, forward(fp8_model(), ids))
@@ -368,8 +373,8 @@ def test_tensor_parallel_decode():
   """Prefill + decode under shard_map over 4 devices, cache sharded (kv heads, conv channels,
   recurrent-state heads), against one device."""
   ids = tokens()
-  m = model("hf", fp8=False, tp_axis="tp")
-  apply = qw.tp_apply(m, mesh(4), with_cache=True)
+  m = model("hf", **F32, tp_axis="tp")
+  apply = tp_apply(m, mesh(4), with_cache=True)
   cache = m.init_cache(ids.shape[0], ids.shape[1])
   pre, cache = apply(ids[:, :70], cache, 0)
   dec, cache = apply(ids[:, 70:71], cache, 70)
@@ -389,8 +394,8 @@ def test_disable_fused_allreduce_env(monkeypatch):
   x, w = per_device_norm_input(m, ids)
   assert jfusedq.chosen_strategy(x, w, residual=x, weight_offset=1.0) == "ar_norm_then_quant"
   with pytest.raises(jfusedq.Unsupported, match="JFUSEDQ_DISABLE_FUSED_AR_QUANT"):
-    qw.tp_apply(fp8_model(tp_axis="tp", ar_strategy="fused"), mesh(2))(ids)
-  got, _ = qw.tp_apply(m, mesh(2))(ids)
+    tp_apply(fp8_model(tp_axis="tp", ar_strategy="fused"), mesh(2))(ids)
+  got, _ = tp_apply(m, mesh(2))(ids)
   # Quantising the bf16 norm instead of the f32 one: the same one-step code changes as the
   # unfused single-device path (see test_fused_model_close_to_unfused).
   top1, kl = agreement(got, forward(fp8_model(), ids))
@@ -400,4 +405,4 @@ def test_disable_fused_allreduce_env(monkeypatch):
 def test_tp_shapes_checked():
   m = model("hf", fp8=True, tp_axis="tp")
   with pytest.raises(ValueError, match="divisible by 8"):
-    qw.tp_apply(m, mesh(8))  # 4 key heads / 4 kv heads cannot split over 8 devices
+    tp_apply(m, mesh(8))  # 4 key heads / 4 kv heads cannot split over 8 devices

@@ -1,4 +1,4 @@
-"""Command line.
+"""The `jfusedq` command (also `python -m models`).
 
   jfusedq run    a model's jit-compiled prefill + decode, fused vs unfused (the main job)
   jfusedq demo   the fused add + RMSNorm + FP8 quant op alone, on the default device
@@ -78,7 +78,8 @@ def run(args) -> int:
     # Simulated CPU devices for --tp on a machine without accelerators; ignored by GPU backends.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.tp}").strip()
-  from models import run as runner  # the models package is imported only for this command
+  # Imported once XLA_FLAGS holds the device count: JAX reads it when its backend starts.
+  from models import run as runner
 
   if args.tp > jax.device_count():
     print(f"--tp {args.tp} needs {args.tp} devices; {jax.device_count()} available",
@@ -86,7 +87,7 @@ def run(args) -> int:
     return 2
   result = runner.run(args.model if not args.checkpoint else None, args.checkpoint,
                       batch=args.batch, prompt_len=args.prompt_len, steps=args.steps, tp=args.tp,
-                      compare=args.compare, quantize=not args.bf16, seed=args.seed)
+                      compare=args.compare, fp8=not args.bf16, seed=args.seed)
   print(runner.table(result))
   if args.json:
     with open(args.json, "w") as f:

@@ -1,5 +1,5 @@
 import sys
 
-from jfusedq.cli import main
+from models.cli import main
 
 sys.exit(main())

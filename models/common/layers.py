@@ -1,0 +1,123 @@
+"""Build options, the projection factory, the embedding and the prepare step."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jfusedq.checkpoint import QuantConfig
+from jfusedq.fp8 import QuantizedActivation, default_format
+from jfusedq.nn import Fp8Linear, Linear, RMSNorm, StackedLinear
+
+Impl = str | Sequence[str] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Build options shared by every module of a model (static, hashable).
+
+  quant: FP8 projections (format, and the Hugging Face `modules_to_not_convert` that stay in
+    high precision), or None for the unquantised path.
+  dtype: activations and the residual stream; param_dtype: high-precision parameters.
+  tp_axis: the mesh axis of tensor parallelism (the model then runs inside `jax.shard_map`
+    over it, see `tp_apply`), or None.
+  ar_strategy: the all-reduce + norm + quant strategy under TP (None: the best available).
+  implementation: kernel backend of every jfusedq op the model runs (None: each op's best).
+  """
+
+  quant: QuantConfig | None
+  dtype: Any
+  param_dtype: Any
+  tp_axis: str | None = None
+  ar_strategy: str | tuple[str, ...] | None = None
+  implementation: str | tuple[str, ...] | None = None
+
+  @classmethod
+  def of(cls, fp8: bool | QuantConfig | None, *, dtype, param_dtype, tp_axis=None,
+         ar_strategy=None, implementation=None) -> Options:
+    """`fp8`: True (every projection FP8 in the device's format), a QuantConfig, or False /
+    None (unquantised). Lists become tuples, so the options stay hashable."""
+    quant = QuantConfig(default_format()) if fp8 is True else (fp8 or None)
+    tup = lambda v: tuple(v) if isinstance(v, list) else v
+    return cls(quant, dtype, param_dtype, tp_axis, tup(ar_strategy), tup(implementation))
+
+  def quantizes(self, *modules: str) -> bool:
+    """Whether every one of `modules` (full Hugging Face names) is an FP8 projection."""
+    return self.quant is not None and all(self.quant.quantizes(m) for m in modules)
+
+  def proj(self, in_features: int, out_features: int, *modules: str, rngs: nnx.Rngs):
+    """Fp8Linear when every one of `modules` (HF names of what it computes) is quantised, else
+    a high-precision Linear."""
+    if self.quantizes(*modules):
+      return Fp8Linear(in_features, out_features, fmt=self.quant.fmt, dtype=self.dtype,
+                       implementation=self.implementation, rngs=rngs)
+    return Linear(in_features, out_features, dtype=self.dtype, param_dtype=self.param_dtype,
+                  rngs=rngs)
+
+  def norm(self, features: int, eps: float, *, weight_offset: float = 0.0,
+           reduce: bool = False, rngs: nnx.Rngs) -> RMSNorm:
+    """An RMSNorm in the model's dtypes and format. `reduce`: its input is a partial sum under
+    tensor parallelism (the norm all-reduces it over `tp_axis` first). Zero-centred norms
+    (`weight_offset=1`, y * (1 + w)) start at w = 0."""
+    init = nnx.initializers.zeros if weight_offset else nnx.initializers.ones
+    return RMSNorm(features, eps=eps, weight_offset=weight_offset,
+                   fmt=None if self.quant is None else self.quant.fmt,
+                   axis_name=self.tp_axis if reduce else None, ar_strategy=self.ar_strategy,
+                   dtype=self.dtype, param_dtype=self.param_dtype, scale_init=init,
+                   implementation=self.implementation, rngs=rngs)
+
+
+def is_fp8(layer) -> bool:
+  """Whether a projection consumes FP8 activations (so a fused norm should quantise for it)."""
+  return isinstance(layer, Fp8Linear) or (isinstance(layer, StackedLinear)
+                                          and layer.fmt is not None)
+
+
+def fused_flags(fused: bool | Sequence[bool], layers: int, quant: QuantConfig | None) -> list:
+  """Per-layer fused flags from one bool or a sequence; the unquantised path fuses nothing."""
+  flags = [fused] * layers if isinstance(fused, bool) else list(fused)
+  if len(flags) != layers:
+    raise ValueError(f"fused has {len(flags)} flags for {layers} layers")
+  return [bool(f) and quant is not None for f in flags]
+
+
+class Embedding(nnx.Module):
+  """`embed_tokens`: ids `[B, T]` -> `weight[ids]` `[B, T, H]` in dtype (weight `[V, H]`)."""
+
+  def __init__(self, num: int, features: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    self.weight = nnx.Param(nnx.initializers.normal(1.0)(rngs.params(), (num, features),
+                                                         param_dtype))
+    self.dtype = dtype
+
+  def __call__(self, ids: jax.Array) -> jax.Array:
+    return jnp.take(self.weight[...], ids, axis=0).astype(self.dtype)
+
+  def attend(self, y: jax.Array) -> jax.Array:
+    """Tied LM head: y `[..., H]` -> logits `y W^T` `[..., V]` in f32."""
+    return jnp.einsum("...h,vh->...v", y, self.weight[...].astype(y.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def prepare(norm: RMSNorm, h: jax.Array, residual: jax.Array | None, *, quant: bool,
+            keep_hp: bool) -> tuple[jax.Array | QuantizedActivation, jax.Array]:
+  """The prepare step before a mixer or MLP (SGLang's LayerCommunicator):
+
+    r' = psum(h) + r          (psum only when `norm` has a TP axis: h is a partial sum)
+    x  = rmsnorm(r') * w      quantised (a QuantizedActivation, + `hp` when `keep_hp`) when
+                              `quant`, else in dtype; one kernel either way
+
+  `residual` None: h is the embedding (replicated, layer 0) and becomes the residual.
+  Returns (x, r')."""
+  if residual is None:
+    return norm(h, quant=quant, keep_hp=keep_hp), h.astype(norm.dtype)
+  return norm(h, residual, quant=quant, keep_hp=keep_hp)
+
+
+class CausalLMOutput(NamedTuple):
+  logits: jax.Array  # [B, T, V] f32
+  cache: tuple | None  # the updated per-layer cache, when one was given

@@ -1,0 +1,114 @@
+"""Tensor parallelism: partition specs by module name, split checks, and `tp_apply`, which runs
+a model built with `tp_axis` inside `jax.shard_map` over that mesh axis."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.common.layers import CausalLMOutput
+
+BLOCK = 128  # FP8 weight block: a device's shard must hold whole blocks
+
+
+def param_names(path) -> list[str]:
+  """Module / parameter names of a state path, without the Variable's trailing "value"."""
+  out = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        out.append(str(getattr(k, attr)))
+        break
+  return out[:-1] if out and out[-1] == "value" else out
+
+
+def partition_specs(state, axis: str, *, column: Collection[str], row: Collection[str],
+                    heads: Collection[str] = ()):
+  """PartitionSpecs of an `nnx.split` state for tensor parallelism over `axis`.
+
+  A projection's `weight` / `weight_scale_inv` (`[..., N, K]`, stacked experts `[E, N, K]`)
+  is split on N when its module name is in `column`, on K when in `row`; a parameter named in
+  `heads` is split on its leading axis (per-head or per-channel vectors). Everything else is
+  replicated.
+  """
+  def spec(path, x):
+    names = param_names(path)
+    owner, leaf = (names[-2] if len(names) > 1 else ""), names[-1]
+    if leaf in heads:
+      return P(axis, *([None] * (x.ndim - 1)))
+    if leaf in ("weight", "weight_scale_inv") and (owner in column or owner in row):
+      dim = x.ndim - (2 if owner in column else 1)
+      return P(*[axis if i == dim else None for i in range(x.ndim)])
+    return P()
+  return jax.tree_util.tree_map_with_path(spec, state)
+
+
+def check_split(state, specs, n: int) -> None:
+  """Raises unless every split dimension divides over `n` devices and each device's share of
+  an FP8 weight holds whole 128 x 128 blocks (one block, one scale, on one device)."""
+  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  for (path, leaf), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=lambda s: isinstance(
+      s, P))):
+    name = ".".join(param_names(path))
+    fp8 = jnp.dtype(leaf.dtype).itemsize == 1
+    for dim, s in zip(leaf.shape, spec):
+      if s is None:
+        continue
+      if dim % n:
+        raise ValueError(f"parameter {name} {list(leaf.shape)}: an axis of size {dim} does not "
+                         f"split over {n} devices")
+      if fp8 and (dim // n) % BLOCK:
+        raise ValueError(f"FP8 parameter {name} {list(leaf.shape)}: {dim // n} rows/columns per "
+                         f"device is not a multiple of the {BLOCK} x {BLOCK} weight block, so "
+                         f"one block (one scale) would straddle two devices")
+
+
+def tp_apply(model: nnx.Module, mesh: jax.sharding.Mesh, *, with_cache: bool = False,
+             explicit_params: bool = False):
+  """A jitted `f(tokens, cache=None, pos=0) -> (logits, cache)` running `model` (built with
+  `tp_axis`) inside `jax.shard_map` over that axis of `mesh`.
+
+  Parameters are split per the model's `partition_specs(state)` (checked by its `check_tp`
+  and `check_split`) and placed once, so each device holds only its shard; tokens and logits
+  are replicated; the cache (when `with_cache`) is laid out per the model's `cache_specs()`.
+  With `explicit_params`, returns `(f(params, tokens, cache, pos), params)` instead: an outer
+  jit then takes the weights as arguments, where a closure would make them constants of the
+  compiled program.
+  """
+  axis = model.opts.tp_axis
+  if axis is None or axis not in mesh.axis_names:
+    raise ValueError(f"the model's tp_axis {axis!r} is not an axis of the mesh "
+                     f"{mesh.axis_names}; build it with tp_axis=...")
+  n = mesh.shape[axis]
+  model.check_tp(n)
+  graphdef, state = nnx.split(model)
+  pspecs = model.partition_specs(state)
+  check_split(state, pspecs, n)
+  cspecs = model.cache_specs() if with_cache else P()
+
+  def body(state, tokens, cache, pos):
+    out = nnx.merge(graphdef, state)(tokens, cache=cache if with_cache else None, pos=pos)
+    return out.logits, out.cache if with_cache else jnp.zeros(())
+
+  # check_vma=False: the Pallas and Triton kernels inside shard_map need it.
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(pspecs, P(), cspecs, P()),
+                             out_specs=(P(), cspecs), check_vma=False))
+  put = lambda tree, specs: jax.tree.map(
+      lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs)
+  state = put(state, pspecs)
+  rep = NamedSharding(mesh, P())
+
+  def pure(params, tokens, cache=None, pos=0):
+    cache = put(cache, cspecs) if with_cache else None
+    logits, new = fn(params, jax.device_put(tokens, rep), cache,
+                     jax.device_put(jnp.asarray(pos, jnp.int32), rep))
+    return CausalLMOutput(logits, new if with_cache else None)
+
+  if explicit_params:
+    return pure, state
+  return lambda tokens, cache=None, pos=0: pure(state, tokens, cache, pos)
