@@ -98,4 +98,3 @@ class DeepseekV3Config:
       path = os.path.join(path, "config.json")
     with open(path) as f:
       return cls.from_hf(json.load(f))
-

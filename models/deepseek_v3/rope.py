@@ -83,4 +83,3 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleave: bool) -
   else:
     x1, x2 = jnp.split(xf, 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-

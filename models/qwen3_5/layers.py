@@ -355,4 +355,3 @@ class DecoderLayer(nnx.Module):
       h, cache = self.mixer(x, cache, pos=pos)
     x, residual = self.prepare_mlp(h, residual)
     return self.mlp(x), residual, cache
-
