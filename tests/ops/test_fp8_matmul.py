@@ -1,6 +1,6 @@
-"""fp8_matmul: Pallas and Triton against the f32 reference, the reference against a float64
-matmul of the dequantised operands; input kinds, odd shapes, every heuristic config, errors,
-lowering."""
+"""fp8_matmul: every implementation against the f32 reference, the reference against a float64
+matmul of the dequantised operands; input kinds, odd shapes, every heuristic config, the Mosaic
+GPU kernel, errors, lowering."""
 
 import jax
 import jax.numpy as jnp
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, PartitionSpec as P
 
-from helpers import FORMATS, TARGETS, TRITON, TRITON_CALL, activations, lower, rng
+from helpers import (FORMATS, MOSAIC_GPU, TARGETS, TRITON_CALL, activations, implementations,
+                     lower, rng)
 from jfusedq import (QuantizedActivation, _target, default_format, fp8_matmul, group_quant,
-                     grouped_fp8_matmul,
-                     rmsnorm_quant)
+                     grouped_fp8_matmul, rmsnorm_quant)
 from jfusedq.nn import quantize_weight
 from jfusedq.ops._dispatch import Unsupported
 from jfusedq.ops.fp8_matmul import Config
@@ -21,9 +21,11 @@ from jfusedq.ops.fp8_matmul.mosaic_gpu import Config as MosaicConfig
 from jfusedq.ops.fp8_matmul import pallas as mm_pallas
 from jfusedq.ops.fp8_matmul import triton as mm_triton
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
-from jfusedq.testing import rel_rms
+from jfusedq.testing import (DECODE_TOKENS, EDGE_PROJECTIONS, PREFILL_TOKENS, PROJECTIONS,
+                             rel_rms)
 
-IMPLS = ("xla", "pallas", TRITON)
+KERNELS = implementations("fp8_matmul", kernels=True)
+PARTIAL_N, PARTIAL_K = EDGE_PROJECTIONS["partial_blocks"]
 # Both results are f32 sums rounded once to bf16 (2**-9 relative); summed in another order
 # they may round to neighbouring bf16 values: 2**-8 relative RMS bounds that with room, and
 # elementwise one bf16 ulp (2**-7 of the value) plus a floor for outputs that cancel to ~0.
@@ -50,7 +52,7 @@ def assert_close(got, want):
 
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
 def test_reference_matches_float64(fmt):
-  x, qw, sw = problem(("f64", fmt), (7,), 2112, 640, fmt)
+  x, qw, sw = problem(("f64", fmt), (7,), PROJECTIONS["deepseek_v3.q_a_kv_a"][0], 640, fmt)
   qa = group_quant(x, fmt=FORMATS[fmt], implementation="xla")
   got = fp8_matmul(qa, qw, sw, implementation="xla")
   a64 = np.asarray(qa.dequantize(), np.float64)
@@ -63,66 +65,114 @@ def test_reference_matches_float64(fmt):
   assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("m_shape,n,k", [((1,), 2112, 7168), ((5,), 2112, 1536), ((16,), 256, 512),
-                                         ((33,), 200, 300), ((2, 3), 384, 640)])
-@pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
-def test_shapes_and_formats(impl, m_shape, n, k, fmt):
-  if impl == "triton" and fmt == "e4m3fnuz" and default_format().name == "e4m3fn":
-    pytest.skip("triton multiplies e4m3fnuz only where the GPU does (AMD MI300)")
-  x, qw, sw = problem(("shape", m_shape, n, k, fmt), m_shape, n, k, fmt)
-  if impl == "pallas" and fmt == "e4m3fnuz" and _target.current().platform == "cuda":
-    # NVIDIA has no fnuz dot: Pallas must decline clearly, and the default order falls back.
-    with pytest.raises(Unsupported, match="e4m3fnuz"):
-      fp8_matmul(x, qw, sw, implementation=impl)
-    assert_close(fp8_matmul(x, qw, sw), fp8_matmul(x, qw, sw, implementation="xla"))
-    return
-  got = fp8_matmul(x, qw, sw, implementation=impl)
-  assert got.shape == (*m_shape, n) and got.dtype == jnp.bfloat16
-  assert_close(got, fp8_matmul(x, qw, sw, implementation="xla"))
+def experts(key, e, n, k, fmt="e4m3fn"):
+  r = rng(*key)
+  w = jnp.asarray(r.standard_normal((e, n, k)) * np.exp(r.uniform(-1, 1, (e, n, 1))),
+                  jnp.float32)
+  qw, sw = jax.vmap(lambda a: quantize_weight(a, FORMATS[fmt]))(w)
+  return qw, sw * jnp.asarray(r.uniform(0.5, 2.0, sw.shape), jnp.float32)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_input_kinds_identical(impl):
-  """bf16 array, its (fp8, scale) and its (bf16, fp8, scale): identical outputs."""
-  x, qw, sw = problem(("kinds",), (9,), 384, 1024)
-  qa = group_quant(x, fmt="e4m3fn", implementation=impl)  # as the weight, on any device
-  outs = [fp8_matmul(a, qw, sw, implementation=impl)
-          for a in (x, qa, QuantizedActivation(qa.q, qa.scale, hp=x))]
-  for out in outs[1:]:
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(outs[0]))
-  # The fused norm's tuple, with and without its bf16 copy: the fp8 part is what is used.
-  w = jnp.asarray(rng("kinds-w").standard_normal(1024), jnp.bfloat16)
-  fused = rmsnorm_quant(x, w, keep_hp=True, implementation=impl, fmt=FORMATS["e4m3fn"]).quant
-  np.testing.assert_array_equal(
-      np.asarray(fp8_matmul(fused, qw, sw, implementation=impl)),
-      np.asarray(fp8_matmul(QuantizedActivation(fused.q, fused.scale), qw, sw,
-                            implementation=impl)))
+GROUPED = {  # (activation groups, leading dims of a group, expert of each product or None)
+    "dense": (1, (3,), None),               # every expert on the same rows (MoE prefill)
+    "batched": (5, (2, 3), None),           # expert e on its own rows (MoE down projection)
+    "gathered": (4, (1,), (3, 0, 0, 4, 1, 1, 2, 3)),  # 2 experts per token, repeats (decode)
+    "one_each": (8, (1,), (4, 0, 2, 2, 1, 3, 0, 4)),
+}
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_column_major_scales(impl):
-  x, qw, sw = problem(("col",), (2, 5), 256, 640)
-  row = group_quant(x, fmt="e4m3fn", implementation="xla")
-  col = group_quant(x, fmt="e4m3fn", layout="col", implementation="xla")
-  np.testing.assert_array_equal(np.asarray(fp8_matmul(row, qw, sw, implementation=impl)),
-                                np.asarray(fp8_matmul(col, qw, sw, implementation=impl)))
+@pytest.mark.parametrize("impl", implementations("fp8_matmul"))
+class TestEveryImplementation:
+  """The contract each implementation meets, checked against the reference."""
+
+  @pytest.mark.parametrize("m_shape,n,k", [
+      ((1,), *PROJECTIONS["deepseek_v3.q_a_kv_a"]), ((5,), 2112, 1536), ((16,), 256, 512),
+      ((33,), PARTIAL_N, PARTIAL_K), ((2, 3), 384, 640)])
+  @pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
+  def test_shapes_and_formats(self, impl, m_shape, n, k, fmt):
+    if impl == "triton" and fmt == "e4m3fnuz" and default_format().name == "e4m3fn":
+      pytest.skip("triton multiplies e4m3fnuz only where the GPU does (AMD MI300)")
+    x, qw, sw = problem(("shape", m_shape, n, k, fmt), m_shape, n, k, fmt)
+    if impl == "pallas" and fmt == "e4m3fnuz" and _target.current().platform == "cuda":
+      # NVIDIA has no fnuz dot: Pallas must decline clearly, and the default order falls back.
+      with pytest.raises(Unsupported, match="e4m3fnuz"):
+        fp8_matmul(x, qw, sw, implementation=impl)
+      assert_close(fp8_matmul(x, qw, sw), fp8_matmul(x, qw, sw, implementation="xla"))
+      return
+    got = fp8_matmul(x, qw, sw, implementation=impl)
+    assert got.shape == (*m_shape, n) and got.dtype == jnp.bfloat16
+    assert_close(got, fp8_matmul(x, qw, sw, implementation="xla"))
+
+  def test_input_kinds_identical(self, impl):
+    """bf16 array, its (fp8, scale) and its (bf16, fp8, scale): identical outputs."""
+    x, qw, sw = problem(("kinds",), (9,), 384, 1024)
+    qa = group_quant(x, fmt="e4m3fn", implementation=impl)  # as the weight, on any device
+    outs = [fp8_matmul(a, qw, sw, implementation=impl)
+            for a in (x, qa, QuantizedActivation(qa.q, qa.scale, hp=x))]
+    for out in outs[1:]:
+      np.testing.assert_array_equal(np.asarray(out), np.asarray(outs[0]))
+    # The fused norm's tuple, with and without its bf16 copy: the fp8 part is what is used.
+    w = jnp.asarray(rng("kinds-w").standard_normal(1024), jnp.bfloat16)
+    fused = rmsnorm_quant(x, w, keep_hp=True, implementation=impl, fmt=FORMATS["e4m3fn"]).quant
+    np.testing.assert_array_equal(
+        np.asarray(fp8_matmul(fused, qw, sw, implementation=impl)),
+        np.asarray(fp8_matmul(QuantizedActivation(fused.q, fused.scale), qw, sw,
+                              implementation=impl)))
+
+  def test_column_major_scales(self, impl):
+    x, qw, sw = problem(("col",), (2, 5), 256, 640)
+    row = group_quant(x, fmt="e4m3fn", implementation="xla")
+    col = group_quant(x, fmt="e4m3fn", layout="col", implementation="xla")
+    np.testing.assert_array_equal(np.asarray(fp8_matmul(row, qw, sw, implementation=impl)),
+                                  np.asarray(fp8_matmul(col, qw, sw, implementation=impl)))
+
+  @pytest.mark.parametrize("case", sorted(GROUPED))
+  def test_grouped_equals_per_product(self, impl, case):
+    # 5 experts with partial blocks on both axes.
+    g, lead, ids = GROUPED[case]
+    qw, sw = experts(("grouped", case), 5, PARTIAL_N, PARTIAL_K)
+    x = activations(rng("grouped_x", case), (g, *lead, PARTIAL_K))
+    idx = None if ids is None else jnp.asarray(ids, jnp.int32)
+    got = grouped_fp8_matmul(x, qw, sw, idx, implementation=impl)
+    b = 5 if ids is None else len(ids)
+    assert got.shape == (b, *lead, PARTIAL_N)
+    for i in range(b):
+      e = i if ids is None else ids[i]
+      assert_close(got[i], fp8_matmul(x[i // (b // g)], qw[e], sw[e], implementation="xla"))
+
+  def test_grouped_quantized_input_and_determinism(self, impl):
+    qw, sw = experts(("grouped_q",), 3, 130, 256)
+    x = activations(rng("grouped_q_x"), (3, 1, 256))
+    ids = jnp.asarray([2, 2, 0, 1, 1, 0], jnp.int32)
+    col = group_quant(x, fmt="e4m3fn", layout="col", implementation="xla")
+    f = jax.jit(lambda a: grouped_fp8_matmul(a, qw, sw, ids, implementation=impl))
+    a, b = f(col), f(col)
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    np.testing.assert_array_equal(
+        np.asarray(a), np.asarray(grouped_fp8_matmul(x, qw, sw, ids, implementation=impl)))
+
+  def test_jit_deterministic(self, impl):
+    x, qw, sw = problem(("jit",), (3, 4), 256, 512)
+    config = None if impl == "xla" else Config(16, 64, k_splits=2)
+    f = jax.jit(lambda x: fp8_matmul(x, qw, sw, implementation=impl, config=config))
+    a, b = f(x), f(x)
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert_close(a, fp8_matmul(x, qw, sw, implementation="xla"))
 
 
 def heuristic_configs():
   kinds = ["NVIDIA H200", "AMD Instinct MI300X", "gfx950", "cpu"]
   return sorted({h(m, n, k, kind) for kind in kinds
                  for h in (mm_pallas.heuristics, mm_triton.heuristics)
-                 for m in (1, 16, 64, 256, 4096)
-                 for n, k in ((2112, 7168), (24576, 1536), (7168, 16384), (12288, 4096),
-                              (4096, 8192))}, key=str)
+                 for m in DECODE_TOKENS + PREFILL_TOKENS
+                 for n, k in PROJECTIONS.values()}, key=str)
 
 
-@pytest.mark.parametrize("impl", ["pallas", TRITON])
+@pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize("config", heuristic_configs(), ids=str)
 def test_every_heuristic_config(impl, config):
-  # K = 1100 gives 9 K blocks (the last partial) so every split count has work to divide.
-  x, qw, sw = problem(("config", str(config)), (20,), 200, 1100)
+  # Every split count has K blocks to divide.
+  x, qw, sw = problem(("config", str(config)), (20,), *EDGE_PROJECTIONS["partial_k_blocks"])
   got = fp8_matmul(x, qw, sw, implementation=impl, config=config)
   assert_close(got, fp8_matmul(x, qw, sw, implementation="xla"))
 
@@ -149,17 +199,7 @@ def test_triton_five_stages_for_long_k_at_m64():
   assert stages(64, 12288, 4096, "AMD Instinct MI300X") == 4  # measured on Hopper only
 
 
-@pytest.mark.parametrize("impl", ["pallas", TRITON])
-def test_jit_deterministic(impl):
-  x, qw, sw = problem(("jit",), (3, 4), 256, 512)
-  f = jax.jit(lambda x: fp8_matmul(x, qw, sw, implementation=impl,
-                                   config=Config(16, 64, k_splits=2)))
-  a, b = f(x), f(x)
-  assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
-  assert_close(a, fp8_matmul(x, qw, sw, implementation="xla"))
-
-
-@pytest.mark.parametrize("impl", ["pallas", TRITON])
+@pytest.mark.parametrize("impl", KERNELS)
 def test_split_k_deterministic_on_gpu(impl):
   # Decode size (M = 1, 8 K splits over 64 tiles), where a GPU runs the splits in a different
   # order from launch to launch: twelve launches must agree to the bit (the partials are summed
@@ -175,50 +215,6 @@ def test_split_k_deterministic_on_gpu(impl):
   outs = [np.asarray(f(qa)) for _ in range(12)]
   assert all(o.tobytes() == outs[0].tobytes() for o in outs[1:])
   assert_close(jnp.asarray(outs[0]), fp8_matmul(qa, qw, sw, implementation="xla"))
-
-
-def experts(key, e, n, k, fmt="e4m3fn"):
-  r = rng(*key)
-  w = jnp.asarray(r.standard_normal((e, n, k)) * np.exp(r.uniform(-1, 1, (e, n, 1))), jnp.float32)
-  qw, sw = jax.vmap(lambda a: quantize_weight(a, FORMATS[fmt]))(w)
-  return qw, sw * jnp.asarray(r.uniform(0.5, 2.0, sw.shape), jnp.float32)
-
-
-GROUPED = {  # (activation groups, leading dims of a group, expert of each product or None)
-    "dense": (1, (3,), None),               # every expert on the same rows (MoE prefill)
-    "batched": (5, (2, 3), None),           # expert e on its own rows (MoE down projection)
-    "gathered": (4, (1,), (3, 0, 0, 4, 1, 1, 2, 3)),  # 2 experts per token, repeats (decode)
-    "one_each": (8, (1,), (4, 0, 2, 2, 1, 3, 0, 4)),
-}
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", sorted(GROUPED))
-def test_grouped_equals_per_product(impl, case):
-  # 5 experts of N = 200, K = 300: partial blocks on both axes.
-  g, lead, ids = GROUPED[case]
-  qw, sw = experts(("grouped", case), 5, 200, 300)
-  x = activations(rng("grouped_x", case), (g, *lead, 300))
-  idx = None if ids is None else jnp.asarray(ids, jnp.int32)
-  got = grouped_fp8_matmul(x, qw, sw, idx, implementation=impl)
-  b = 5 if ids is None else len(ids)
-  assert got.shape == (b, *lead, 200)
-  for i in range(b):
-    e = i if ids is None else ids[i]
-    assert_close(got[i], fp8_matmul(x[i // (b // g)], qw[e], sw[e], implementation="xla"))
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-def test_grouped_quantized_input_and_determinism(impl):
-  qw, sw = experts(("grouped_q",), 3, 130, 256)
-  x = activations(rng("grouped_q_x"), (3, 1, 256))
-  ids = jnp.asarray([2, 2, 0, 1, 1, 0], jnp.int32)
-  col = group_quant(x, fmt="e4m3fn", layout="col", implementation="xla")
-  f = jax.jit(lambda a: grouped_fp8_matmul(a, qw, sw, ids, implementation=impl))
-  a, b = f(col), f(col)
-  assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
-  np.testing.assert_array_equal(np.asarray(a),
-                                np.asarray(grouped_fp8_matmul(x, qw, sw, ids, implementation=impl)))
 
 
 @pytest.mark.lowering
@@ -294,7 +290,7 @@ def test_lowers(target, layout, config):
 
 
 # Mosaic GPU (Hopper wgmma) kernel: run by the GPU interpreter on CPU, lowered for the H200.
-# Outside the shared parametrisation: it takes K % 128 == 0 and N % 64 == 0 only.
+# Outside the shared suite: it takes K % 128 == 0 and N % 64 == 0 only (helpers.MOSAIC_GPU).
 # Every tile width the heuristic picks (192, 128, 64), persistent (K <= 2048) or not, a ragged
 # last tile (N = 320 in tiles of 128: the weight's rows past N arrive as zeros, the store
 # clips), padded M, both layouts.
@@ -306,13 +302,14 @@ def test_lowers(target, layout, config):
     ((130,), 64, 256, "row", None),
     ((3,), 64, 2176, "col", None),  # K past 2048: one tile a CTA
 ], ids=str)
-def test_mosaic_gpu(m_shape, n, k, layout, config):
+@pytest.mark.parametrize("impl", [MOSAIC_GPU])
+def test_mosaic_gpu(impl, m_shape, n, k, layout, config):
   x, qw, sw = problem(("mosaic", m_shape, n, k), m_shape, n, k)
   qa = group_quant(x, layout=layout, implementation="xla")
-  got = fp8_matmul(qa, qw, sw, implementation="mosaic_gpu", config=config)
+  got = fp8_matmul(qa, qw, sw, implementation=impl, config=config)
   assert_close(got, fp8_matmul(qa, qw, sw, implementation="xla"))
   # bf16 input: quantised by Pallas for it, same result as the tuple.
-  np.testing.assert_array_equal(np.asarray(fp8_matmul(x, qw, sw, implementation="mosaic_gpu",
+  np.testing.assert_array_equal(np.asarray(fp8_matmul(x, qw, sw, implementation=impl,
                                                       config=config)), np.asarray(got))
 
 
@@ -320,13 +317,14 @@ def test_mosaic_gpu(m_shape, n, k, layout, config):
     (300, 320, 384, "row", MosaicConfig(128, stages=2, persistent=True)),  # 9 tiles on 4 CTAs
     (130, 192, 256, "col", MosaicConfig(64, stages=3, persistent=True)),  # 6 tiles on 4 CTAs
 ], ids=str)
-def test_mosaic_gpu_persistent(monkeypatch, m, n, k, layout, config):
+@pytest.mark.parametrize("impl", [MOSAIC_GPU])
+def test_mosaic_gpu_persistent(monkeypatch, impl, m, n, k, layout, config):
   # Four SMs: every CTA walks two or three tiles (a ragged count), reusing the pipeline's
   # buffers and the output staging, on the interpreter and on a real GPU alike.
   monkeypatch.setattr("jfusedq._target.sm_count", lambda device_kind=None: 4)
   x, qw, sw = problem(("mosaic_persistent", m, n, k), (m,), n, k)
   qa = group_quant(x, layout=layout, implementation="xla")
-  assert_close(fp8_matmul(qa, qw, sw, implementation="mosaic_gpu", config=config),
+  assert_close(fp8_matmul(qa, qw, sw, implementation=impl, config=config),
                fp8_matmul(qa, qw, sw, implementation="xla"))
 
 
@@ -342,19 +340,20 @@ def test_mosaic_gpu_heuristics():
   assert width(1, 320) == 64  # N % 128 != 0 and N % 192 != 0
 
 
-def test_mosaic_gpu_declines():
+@pytest.mark.parametrize("impl", [MOSAIC_GPU])
+def test_mosaic_gpu_declines(impl):
   x, qw, sw = problem(("mosaic_declines",), (3,), 256, 300)
   with pytest.raises(Unsupported, match="K % 128"):
-    fp8_matmul(x, qw, sw, implementation="mosaic_gpu")
+    fp8_matmul(x, qw, sw, implementation=impl)
   # The default order never includes it; a sequence falls through to the next backend.
-  assert_close(fp8_matmul(x, qw, sw, implementation=("mosaic_gpu", "xla")),
+  assert_close(fp8_matmul(x, qw, sw, implementation=(impl, "xla")),
                fp8_matmul(x, qw, sw, implementation="xla"))
   x, qw, sw = problem(("mosaic_config",), (3,), 256, 256)
   with pytest.raises(Unsupported, match="not this kernel's"):
-    fp8_matmul(x, qw, sw, implementation="mosaic_gpu", config=Config(16, 64))
+    fp8_matmul(x, qw, sw, implementation=impl, config=Config(16, 64))
   x, qw, sw = problem(("mosaic_fnuz",), (3,), 256, 256, "e4m3fnuz")
   with pytest.raises(Unsupported, match="e4m3fn"):
-    fp8_matmul(x, qw, sw, implementation="mosaic_gpu")
+    fp8_matmul(x, qw, sw, implementation=impl)
   with pytest.raises(ValueError, match="block_n"):
     MosaicConfig(256)
   with pytest.raises(ValueError, match="stages"):
