@@ -1,10 +1,11 @@
 """Which kernel makes a tensor-parallel model step disagree with its XLA build: a bisection.
 
 Builds `--preset` at `--tp` (fused path), runs one decode step of batch `--batch` with every
-op on its default GPU backend, then again with one op at a time forced to XLA, each against
-the whole model on XLA (same weights, tokens, cache): the op whose forcing closes the gap is
-the culprit. Every Triton `fp8_matmul` / `grouped_fp8_matmul` call the step traced is then run
-alone on fresh random inputs of its exact shapes, layout and tiling, against the reference.
+op on its default GPU backend, then again with one op at a time forced to XLA (through
+`jfusedq.implementations`), each against the whole model on XLA (same weights, tokens, cache):
+the op whose forcing closes the gap is the culprit. Every Triton `fp8_matmul` /
+`grouped_fp8_matmul` call the step traced is then run alone on fresh random inputs of its exact
+shapes, layout and tiling, against the reference.
 
 Run: python benchmarks/tp_bisect.py [--preset qwen3.5-layers] [--tp 2] [--batch 1]
 """
@@ -12,7 +13,6 @@ Run: python benchmarks/tp_bisect.py [--preset qwen3.5-layers] [--tp 2] [--batch 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
@@ -21,26 +21,18 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from jfusedq import implementations  # noqa: E402
 from jfusedq.fp8 import E4M3FN, QuantizedActivation  # noqa: E402
 from jfusedq.ops.fp8_matmul import reference, triton  # noqa: E402
 from jfusedq.testing import rel_rms  # noqa: E402
 from models import run as runner  # noqa: E402
 
-OPS = {"fp8_matmul": "jfusedq.ops.fp8_matmul.api",
-       "grouped_fp8_matmul": "jfusedq.ops.fp8_matmul.api",
-       "rmsnorm_quant": "jfusedq.ops.rmsnorm_quant.api", "rmsnorm": "jfusedq.ops.rmsnorm.api",
-       "group_quant": "jfusedq.ops.group_quant.api"}
-forced: set[str] = set()
+OPS = ("fp8_matmul", "grouped_fp8_matmul", "rmsnorm_quant", "rmsnorm", "group_quant")
 calls: dict[str, tuple] = {}  # str(shapes and static args) -> (kernel, the call's args)
 
 
-def _patch():
-  for mod in {importlib.import_module(m) for m in OPS.values()}:
-    orig = mod.dispatch
-
-    def dispatch(op, backends, implementation, *a, _orig=orig, **kw):
-      return _orig(op, backends, "xla" if op in forced else implementation, *a, **kw)
-    mod.dispatch = dispatch
+def _record():
+  """Wraps the Triton GEMMs to keep one call of each shape, layout and tiling."""
   for name in ("fp8_matmul", "grouped_fp8_matmul"):
     orig = getattr(triton, name)
 
@@ -90,7 +82,7 @@ def main():
   ap.add_argument("--batch", type=int, default=1)
   ap.add_argument("--context", type=int, default=256)
   args = ap.parse_args()
-  _patch()
+  _record()
   built = runner.build(args.preset, tp=args.tp)
   ref = runner.build(args.preset, tp=args.tp, implementation="xla")
   b, ctx = args.batch, args.context
@@ -102,10 +94,9 @@ def main():
 
   want = logits(ref)
   for force in [()] + [(op,) for op in OPS]:
-    forced.clear()
-    forced.update(force)
-    jax.clear_caches()
-    got = logits(built)
+    jax.clear_caches()  # the override is read at trace time
+    with implementations(**{op: "xla" for op in force}):
+      got = logits(built)
     print(f"forced to xla {force or '(none)'}: rel rms vs xla model "
           f"{float(rel_rms(got, want)):.4f}", flush=True)
   for key, (name, a) in calls.items():

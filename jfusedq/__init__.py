@@ -1,7 +1,7 @@
 """jfusedq: fused RMSNorm + per-group FP8 quantisation (and friends) for FP8 LLM inference."""
 
 from jfusedq.fp8 import Fp8Format, QuantizedActivation, default_format
-from jfusedq.ops._dispatch import Unsupported
+from jfusedq.ops._dispatch import Unsupported, implementations
 from jfusedq.ops.fp8_matmul import fp8_matmul, grouped_fp8_matmul
 from jfusedq.ops.group_quant import group_quant
 from jfusedq.ops.rmsnorm import RmsNormOutput, rmsnorm
@@ -24,6 +24,7 @@ __all__ = [
     "fp8_matmul",
     "group_quant",
     "grouped_fp8_matmul",
+    "implementations",
     "reduce_scatter_rmsnorm_quant",
     "rmsnorm",
     "rmsnorm_quant",

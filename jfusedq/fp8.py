@@ -9,6 +9,8 @@ Two OCP-style E4M3 encodings matter for inference:
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import jax
@@ -142,6 +144,35 @@ class QuantizedActivation:
   def row_scale(self) -> jax.Array:
     """Scales as `[..., ceil(K/G)]` whatever the stored layout."""
     return self.scale if self.layout == "row" else jnp.moveaxis(self.scale, 0, -1)
+
+  def with_layout(self, layout: ScaleLayout) -> QuantizedActivation:
+    """The same activation with its scales stored in `layout` (a transpose when it differs)."""
+    if layout == self.layout:
+      return self
+    scale = self.row_scale() if layout == "row" else jnp.moveaxis(self.scale, -1, 0)
+    return dataclasses.replace(self, scale=scale, layout=layout)
+
+  def unflatten(self, lead: Sequence[int]) -> QuantizedActivation:
+    """The leading (token) dims reshaped to `lead`, K kept: `[*lead, K]` codes and hp, scales
+    `[*lead, G]` or `[G, *lead]` in the stored layout."""
+    lead = tuple(lead)
+    groups = self.scale.shape[-1] if self.layout == "row" else self.scale.shape[0]
+    k = self.q.shape[-1]
+    scale = self.scale.reshape(*lead, groups) if self.layout == "row" else self.scale.reshape(
+        groups, *lead)
+    hp = None if self.hp is None else self.hp.reshape(*lead, k)
+    return dataclasses.replace(self, q=self.q.reshape(*lead, k), scale=scale, hp=hp)
+
+  def flatten(self) -> QuantizedActivation:
+    """The 2-D view a GEMM kernel takes: `[M, K]` codes, `[M, G]` or `[G, M]` scales."""
+    return self.unflatten((math.prod(self.q.shape[:-1]),))
+
+  def map_leading(self, fn: Callable[[jax.Array], jax.Array]) -> QuantizedActivation:
+    """`fn` applied to the leading dims of q, hp and the row-layout scales (which share them);
+    the result stores row scales."""
+    hp = None if self.hp is None else fn(self.hp)
+    return dataclasses.replace(self, q=fn(self.q), scale=fn(self.row_scale()), hp=hp,
+                               layout="row")
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     k = self.q.shape[-1]

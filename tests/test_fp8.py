@@ -76,3 +76,28 @@ def test_quantized_activation_pytree():
     QuantizedActivation(q.astype(jnp.bfloat16), s, layout="col").validate()
   with pytest.raises(ValueError, match="layout"):
     QuantizedActivation(q, s, layout="transposed")
+
+
+@pytest.mark.parametrize("layout", ["row", "col"])
+def test_quantized_activation_layouts_and_views(layout):
+  """flatten / unflatten / with_layout / map_leading keep every code with its own scale."""
+  from jfusedq import group_quant
+  x = jnp.asarray(rng("views", layout).standard_normal((2, 3, 320)), jnp.bfloat16)
+  qa = group_quant(x, layout=layout, implementation="xla")
+  qa = QuantizedActivation(qa.q, qa.scale, x, group_size=qa.group_size, layout=layout)
+  want = np.asarray(qa.dequantize())
+  flat = qa.flatten()
+  flat.validate()
+  assert flat.shape == (6, 320) and flat.layout == layout and flat.hp.shape == (6, 320)
+  np.testing.assert_array_equal(flat.dequantize(), want.reshape(6, 320))
+  back = flat.unflatten((2, 3))
+  back.validate()
+  np.testing.assert_array_equal(back.dequantize(), want)
+  other = qa.with_layout("col" if layout == "row" else "row")
+  other.validate()
+  np.testing.assert_array_equal(other.dequantize(), want)
+  assert qa.with_layout(layout) is qa
+  mapped = qa.map_leading(lambda t: t[:, None])
+  mapped.validate()
+  assert mapped.layout == "row" and mapped.shape == (2, 1, 3, 320)
+  np.testing.assert_array_equal(mapped.dequantize(), want[:, None])

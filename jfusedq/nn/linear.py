@@ -129,8 +129,5 @@ class StackedLinear(nnx.Module):
 
 
 def _leading(x: jax.Array | QuantizedActivation, fn) -> jax.Array | QuantizedActivation:
-  """`fn` applied to the leading dims of an array, or of a QuantizedActivation's fp8 codes and
-  (row-major) scales."""
-  if isinstance(x, QuantizedActivation):
-    return QuantizedActivation(fn(x.q), fn(x.row_scale()), group_size=x.group_size)
-  return fn(x)
+  """`fn` applied to the leading dims of an array or a QuantizedActivation."""
+  return x.map_leading(fn) if isinstance(x, QuantizedActivation) else fn(x)

@@ -1,6 +1,8 @@
-"""Argument checks shared by the quantising ops."""
+"""Argument checks and the kernels' `[rows, H]` view, shared by the ops."""
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 
@@ -39,3 +41,18 @@ def check_layout(layout) -> None:
 
 def num_groups(k: int, group_size: int) -> int:
   return -(-k // group_size)
+
+
+def rows(x) -> int:
+  """Rows of the `[rows, H]` view of `x [..., H]`."""
+  return math.prod(x.shape[:-1])
+
+
+def flat(a):
+  """`a [..., H]` as the kernels' `[rows, H]` (None stays None)."""
+  return None if a is None else a.reshape(-1, a.shape[-1])
+
+
+def unflat(a, lead):
+  """A kernel's `[rows, H]` output back to `[*lead, H]` (None stays None)."""
+  return None if a is None else a.reshape(*lead, a.shape[-1])

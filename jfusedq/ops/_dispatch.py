@@ -1,20 +1,30 @@
-"""`implementation=` handling shared by every op (tokamax style).
+"""`implementation=` / `strategy=` handling shared by every op and collective (tokamax style).
 
-`implementation=None` tries the platform's backends best first; a string asks for exactly one
-backend and never falls back; a sequence is tried in order. A backend declines a call it cannot
-build by raising `Unsupported` at trace time; any other exception propagates, so a wrong result
-is never traded for a silent fallback.
+A call names its candidates (an op's backends, an all-reduce's strategies):
+  * None tries the default order, best first (an op's: the platform's backends; overridden for
+    a block of code by `implementations`);
+  * a string asks for exactly that candidate and never falls back;
+  * a sequence is tried in order.
+A candidate is skipped when a gate rules it out (e.g. an operator opt-out) or when it declines
+the call by raising `Unsupported` at trace time; any other exception propagates, so a wrong
+result is never traded for a silent fallback. The candidate that ran is logged once on the
+"jfusedq" logger, with what was skipped and why.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from jfusedq import _target
 
 log = logging.getLogger("jfusedq")
-_logged: set[tuple[str, str, str]] = set()
+_logged: set[tuple] = set()
+
+Order = str | Sequence[str]
 
 
 class Unsupported(NotImplementedError):
@@ -26,6 +36,49 @@ class Unsupported(NotImplementedError):
 # (batch 1 and 16). Pallas next: it runs where `triton` is not installed.
 GPU_ORDER = ("triton", "pallas", "xla")
 
+# Candidate names per op / collective, filled in by the modules that define them, so that
+# `implementations` can reject a misspelt name when it is entered.
+CANDIDATES: dict[str, tuple[str, ...]] = {}
+_kinds: dict[str, str] = {}
+
+_overrides: contextvars.ContextVar[Mapping[str, Order]] = contextvars.ContextVar(
+    "jfusedq_implementations", default={})
+
+
+def declare(op: str, names: Sequence[str], kind: str = "implementation") -> None:
+  CANDIDATES[op], _kinds[op] = tuple(names), kind
+
+
+@contextlib.contextmanager
+def implementations(**orders: Order) -> Iterator[None]:
+  """Within the block, calls of the named ops / collectives that pass `implementation=None`
+  (`strategy=None` for the all-reduces) behave as if they had passed the given value.
+
+  E.g. `with jfusedq.implementations(rmsnorm_quant="xla", fp8_matmul=("pallas", "xla")):`.
+  Keys: "rmsnorm_quant", "rmsnorm", "group_quant", "fp8_matmul", "grouped_fp8_matmul" (backend
+  names) and "allreduce_rmsnorm_quant" (strategy names, for every entry of jfusedq.parallel:
+  `allreduce_rmsnorm_quant`, `reduce_scatter_rmsnorm_quant`, their `_sharded` wrapper and
+  `chosen_strategy`). The all-reduce strategies pass `implementation=None` on to their ops, so
+  an op's override reaches them too. Read
+  when a call is traced: a function `jit` compiled before the block keeps its choice inside it
+  (call `jax.clear_caches()` or trace anew). Blocks nest (the inner value wins) and are local
+  to the thread or asyncio task (a context variable).
+  """
+  for op, order in orders.items():
+    if op not in CANDIDATES:
+      raise ValueError(f"implementations: unknown op {op!r}; choose from {sorted(CANDIDATES)}")
+    _names(op, order, CANDIDATES[op], _kinds[op])
+  token = _overrides.set({**_overrides.get(), **orders})
+  try:
+    yield
+  finally:
+    _overrides.reset(token)
+
+
+def requested(op: str, implementation: Order | None) -> Order | None:
+  """What the caller asked `op` for: `implementation`, or the `implementations` override."""
+  return _overrides.get().get(op) if implementation is None else implementation
+
 
 def default_order(target: _target.Target | None = None,
                   gpu: Sequence[str] = GPU_ORDER) -> tuple[str, ...]:
@@ -35,26 +88,60 @@ def default_order(target: _target.Target | None = None,
   return tuple(gpu) if target.is_gpu else ("xla",)
 
 
-def dispatch(op: str, backends: dict[str, Callable], implementation: str | Sequence[str] | None,
-             *args, gpu_order: Sequence[str] = GPU_ORDER, **kwargs):
+def _names(op: str, order: Order, known: Sequence[str], kind: str = "implementation"
+           ) -> tuple[str, ...]:
+  names = (order,) if isinstance(order, str) else tuple(order)
+  unknown = [name for name in names if name not in known]
+  if unknown or not names:
+    raise ValueError(f"{op}: unknown {kind} {unknown or order!r}; choose from {sorted(known)}")
+  return names
+
+
+def candidates(op: str, implementation: Order | None, known: Sequence[str],
+               default: Sequence[str], kind: str = "implementation"
+               ) -> tuple[tuple[str, ...], bool]:
+  """(names to try, whether one was named and must not fall back); raises on unknown names."""
+  implementation = requested(op, implementation)
   if implementation is None:
-    order = default_order(gpu=gpu_order)
-  elif isinstance(implementation, str):
-    order = (implementation,)
-  else:
-    order = tuple(implementation)
-  unknown = [name for name in order if name not in backends]
-  if unknown or not order:
-    raise ValueError(f"{op}: unknown implementation {unknown or implementation!r}; "
-                     f"choose from {sorted(backends)}")
-  reasons = []
+    return tuple(default), False
+  return _names(op, implementation, known, kind), isinstance(implementation, str)
+
+
+def resolve(op: str, backends: Mapping[str, Callable[[], Any]], implementation: Order | None, *,
+            default: Sequence[str], gate: Callable[[str], str | None] = lambda name: None,
+            kind: str = "implementation", label: str | None = None,
+            log_choice: bool = True) -> tuple[str, Any]:
+  """Runs the first candidate that is not gated off and does not decline; returns (its name,
+  its result). `backends` maps each name to a zero-argument builder; `op` keys the override,
+  `label` (default: op) names the call in messages."""
+  order, explicit = candidates(op, implementation, backends, default, kind)
+  op = label or op
+  skipped = []
   for name in order:
-    try:
-      return backends[name](*args, **kwargs)
-    except Unsupported as e:
-      reasons.append(f"{name}: {e}")
-      key = (op, name, str(e))
-      if key not in _logged:
-        _logged.add(key)
-        log.info("%s: %s backend declined (%s); trying the next one", op, name, e)
-  raise Unsupported(f"{op}: no implementation could run this call: " + "; ".join(reasons))
+    why = gate(name)
+    if why is None:
+      try:
+        result = backends[name]()
+      except Unsupported as e:
+        if explicit:
+          raise Unsupported(f"{op}: {kind} {name!r} was requested but cannot run this call: "
+                            f"{e}") from e
+        why = str(e)
+      else:
+        platform = _target.current().platform
+        key = (op, name, tuple(skipped), platform)
+        if log_choice and key not in _logged:
+          _logged.add(key)
+          log.info("%s: %s %s on %s%s", op, kind, name, platform,
+                   "".join(f"; skipped {s}" for s in skipped))
+        return name, result
+    elif explicit:
+      raise Unsupported(f"{op}: {kind} {name!r} was requested but is unavailable: {why}")
+    skipped.append(f"{name} ({why})")
+  raise Unsupported(f"{op}: no {kind} could run this call: " + "; ".join(skipped))
+
+
+def dispatch(op: str, backends: Mapping[str, Callable[[], Any]], implementation: Order | None,
+             *, gpu_order: Sequence[str] = GPU_ORDER):
+  """An op's call: the result of the first of its backends that builds it (`resolve`)."""
+  return resolve(op, backends, implementation, default=default_order(gpu=gpu_order))[1]

@@ -13,11 +13,13 @@ what runs after it:
   "generic"             psum, then the plain jnp composition (`rmsnorm_quant(implementation=
                         "xla")`); always available.
 
-`strategy=None` tries them in that order. A strategy is skipped when gated off (the operator
-opt-out `JFUSEDQ_DISABLE_FUSED_AR_QUANT=1`, read at trace time, disables "fused") or when an op
-it needs declines the call with `Unsupported` (e.g. a row width the Pallas kernels cannot
-tile); the choice is logged once on the "jfusedq" logger and `chosen_strategy` resolves it
-without running anything. A named strategy never falls back: it is built or it raises.
+Strategies go through the ops' dispatcher (`jfusedq.ops._dispatch`): `strategy=None` tries them
+in that order, or in the one `jfusedq.implementations(allreduce_rmsnorm_quant=...)` sets. A
+strategy is skipped when gated off (the operator opt-out `JFUSEDQ_DISABLE_FUSED_AR_QUANT=1`,
+read at trace time, disables "fused") or when an op it needs declines the call with
+`Unsupported` (e.g. a row width the Pallas kernels cannot tile); the choice is logged once on
+the "jfusedq" logger and `chosen_strategy` resolves it without running anything. A named
+strategy never falls back: it is built or it raises.
 
 Sequence-parallel mode (`reduce_scatter_rmsnorm_quant`) keeps the residual stream sharded over
 tokens: `psum_scatter` -> norm + quant of the local T/N rows -> `all_gather` of the fp8 codes and
@@ -32,7 +34,7 @@ Nothing here looks at local devices, so a multi-host mesh works the same way.
 from __future__ import annotations
 
 import dataclasses
-import logging
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,24 +45,23 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jfusedq import _target
 from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.ops import _dispatch
-from jfusedq.ops._dispatch import Unsupported
 from jfusedq.ops.group_quant import group_quant
 from jfusedq.ops.rmsnorm import rmsnorm
 from jfusedq.ops.rmsnorm_quant import rmsnorm_quant
-
-log = logging.getLogger("jfusedq")
 
 STRATEGIES = ("fused", "ar_norm_then_quant", "generic")
 DISABLE_ENV = "JFUSEDQ_DISABLE_FUSED_AR_QUANT"
 
 AxisName = str | tuple[str, ...]
-_logged: set[tuple] = set()
 
 
 # --- strategy resolution -------------------------------------------------------------------
+
+# The override key (`jfusedq.implementations`) of every entry point here.
+OP = "allreduce_rmsnorm_quant"
+_dispatch.declare(OP, STRATEGIES, kind="strategy")
 
 
 def fused_disabled() -> bool:
@@ -68,65 +69,42 @@ def fused_disabled() -> bool:
   return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def gate(name: str, target: _target.Target) -> str | None:
-  """Why `name` cannot be used on `target` (None: it may be tried).
+def gate(name: str) -> str | None:
+  """Why strategy `name` cannot be used (None: it may be tried).
 
   Platform support proper (a Pallas kernel that cannot tile this row, an FP8 format the lowering
   cannot emit) is reported by the ops themselves as `Unsupported` when the strategy is built.
   """
-  del target  # every strategy has an XLA or Pallas path on cpu, cuda and rocm
   if name == "fused" and fused_disabled():
     return f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
   return None
 
 
-def _order(strategy: str | Sequence[str] | None) -> tuple[tuple[str, ...], bool]:
-  """(names to try, whether one was named explicitly and must not fall back)."""
-  if strategy is None:
-    return STRATEGIES, False
-  order = (strategy,) if isinstance(strategy, str) else tuple(strategy)
-  if "sequence_parallel" in order:
+def _check_strategy(strategy) -> None:
+  """Argument errors, raised before any collective is traced."""
+  if strategy is not None and "sequence_parallel" in ((strategy,) if isinstance(strategy, str)
+                                                      else tuple(strategy)):
     raise ValueError("strategy 'sequence_parallel' keeps the residual sharded over tokens: call "
                      "reduce_scatter_rmsnorm_quant inside shard_map, or "
                      "allreduce_rmsnorm_quant_sharded(..., sequence_parallel=True)")
-  unknown = [s for s in order if s not in STRATEGIES]
-  if unknown or not order:
-    raise ValueError(f"unknown strategy {unknown or strategy!r}; choose from {STRATEGIES}")
-  return order, isinstance(strategy, str)
+  _dispatch.candidates(OP, strategy, STRATEGIES, STRATEGIES, kind="strategy")
 
 
-def _resolve(op: str, strategy, build: Callable[[str], Any], log_choice: bool = True
+def _resolve(label: str, strategy, build: Callable[[str], Any], log_choice: bool = True
              ) -> tuple[str, Any]:
   """Builds the first usable strategy; returns (its name, what `build` returned)."""
-  order, explicit = _order(strategy)
-  target = _target.current()
-  skipped = []
-  for name in order:
-    why = gate(name, target)
-    if why is None:
-      try:
-        result = build(name)
-      except Unsupported as e:
-        if explicit:
-          raise
-        why = str(e)
-      else:
-        key = (op, name, tuple(skipped), target)
-        if log_choice and key not in _logged:
-          _logged.add(key)
-          log.info("%s: strategy %s on %s%s", op, name, target.platform,
-                   "".join(f"; skipped {s}" for s in skipped))
-        return name, result
-    elif explicit:
-      raise Unsupported(f"{op}: strategy {name!r} was requested but is unavailable: {why}")
-    skipped.append(f"{name} ({why})")
-  raise Unsupported(f"{op}: no strategy could run this call: " + "; ".join(skipped))
+  backends = {name: functools.partial(build, name) for name in STRATEGIES}
+  return _dispatch.resolve(OP, backends, strategy, default=STRATEGIES,
+                           gate=lambda name: gate(name), kind="strategy", label=label,
+                           log_choice=log_choice)
 
 
-def _op_impl(implementation):
-  # With no implementation asked for, the kernel strategies ask an op for its kernel backends
-  # only (best first on GPU; XLA alone on CPU): when every kernel declines, the strategy falls
-  # through, instead of the op quietly running its XLA path under the strategy's name.
+def _op_impl(op: str, implementation):
+  # With no implementation asked for (nor set by `implementations` for this op), the kernel
+  # strategies ask an op for its kernel backends only (best first on GPU; XLA alone on CPU):
+  # when every kernel declines, the strategy falls through, instead of the op quietly running
+  # its XLA path under the strategy's name.
+  implementation = _dispatch.requested(op, implementation)
   if implementation is not None:
     return implementation
   order = _dispatch.default_order()
@@ -134,17 +112,16 @@ def _op_impl(implementation):
 
 
 def _fused(h, residual, weight, *, keep_bf16, implementation, **kw):
-  impl = _op_impl(implementation)
-  out = rmsnorm_quant(h, weight, residual=residual, keep_hp=keep_bf16, implementation=impl, **kw)
+  out = rmsnorm_quant(h, weight, residual=residual, keep_hp=keep_bf16,
+                      implementation=_op_impl("rmsnorm_quant", implementation), **kw)
   return out.quant, out.residual
 
 
 def _ar_norm_then_quant(h, residual, weight, *, eps, weight_offset, keep_bf16, implementation,
                         **qkw):
-  impl = _op_impl(implementation)
   y, res_out = rmsnorm(h, weight, residual=residual, eps=eps, weight_offset=weight_offset,
-                       implementation=impl)
-  quant = group_quant(y, **qkw, implementation=impl)
+                       implementation=_op_impl("rmsnorm", implementation))
+  quant = group_quant(y, **qkw, implementation=_op_impl("group_quant", implementation))
   # y is already bf16(norm): exactly the copy the fused kernel would write as hp.
   hp = y if keep_bf16 else None
   return dataclasses.replace(quant, hp=hp), res_out
@@ -175,6 +152,7 @@ def chosen_strategy(x, weight, *, residual=None, eps: float = 1e-6, weight_offse
   """
   fmt = resolve_format(fmt)
   _check_shapes(x, residual, weight)
+  _check_strategy(strategy)
   spec = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
 
   def build(name):
@@ -284,7 +262,7 @@ def allreduce_rmsnorm_quant(x_partial: jax.Array, residual: jax.Array | None, we
   fmt = resolve_format(fmt)
   _check_shapes(x_partial, residual, weight)
   n = axis_size(axis_name)
-  _order(strategy)  # argument errors before any collective is traced
+  _check_strategy(strategy)
   h = _psum(x_partial, axis_name, n)
   build = lambda name: BUILDERS[name](
       h, residual, weight, eps=eps, weight_offset=weight_offset, group_size=group_size,
@@ -337,7 +315,7 @@ def reduce_scatter_rmsnorm_quant(x_partial: jax.Array, residual: jax.Array | Non
     raise ValueError(f"residual shape {tuple(residual.shape)} is not this device's token shard "
                      f"{local} of x_partial {tuple(x_partial.shape)} (T/N = {t}/{n} along axis "
                      f"{ax})")
-  _order(strategy)
+  _check_strategy(strategy)
   if n == 1 and not _varying(x_partial, axis_name):
     h = x_partial
   else:
@@ -349,11 +327,8 @@ def reduce_scatter_rmsnorm_quant(x_partial: jax.Array, residual: jax.Array | Non
       fmt=fmt, layout="row", ue8m0=ue8m0, keep_bf16=keep_bf16, implementation=implementation)
   _, (quant, res_out) = _resolve("reduce_scatter_rmsnorm_quant", strategy, build)
   gather = lambda a: None if a is None else _all_gather(a, axis_name, ax, n)
-  scale = gather(quant.scale)
-  if layout == "col":
-    scale = jnp.moveaxis(scale, -1, 0)
-  quant = QuantizedActivation(gather(quant.q), scale, gather(quant.hp), group_size=group_size,
-                              layout=layout)
+  quant = QuantizedActivation(gather(quant.q), gather(quant.scale), gather(quant.hp),
+                              group_size=group_size).with_layout(layout)
   return quant, h if res_out is None else res_out
 
 

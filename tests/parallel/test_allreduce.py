@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import (FORMATS, SCALE_RTOL, TARGETS, TRITON_CALL, activations, assert_quant_close,
                      assert_rounded_close, rng, weights)
-from jfusedq import Unsupported, group_quant, rmsnorm, rmsnorm_quant
+from jfusedq import Unsupported, group_quant, implementations, rmsnorm, rmsnorm_quant
+from jfusedq.ops import _dispatch
 from jfusedq.parallel import (DISABLE_ENV, STRATEGIES, allreduce, allreduce_rmsnorm_quant,
                               allreduce_rmsnorm_quant_sharded, chosen_strategy,
                               reduce_scatter_rmsnorm_quant)
@@ -35,7 +36,7 @@ AR_CODE_FRAC = 0.05
 @pytest.fixture(autouse=True)
 def _fresh_log():
   # The choice is logged once per process; each test starts unlogged so it can observe it.
-  allreduce._logged.clear()
+  _dispatch._logged.clear()
 
 
 def mesh(n):
@@ -188,8 +189,7 @@ def test_env_opt_out(monkeypatch, caplog, value, want):
 
 
 def test_gated_off_falls_through(monkeypatch, caplog):
-  monkeypatch.setattr(allreduce, "gate",
-                      lambda name, target: "forced off" if name == "fused" else None)
+  monkeypatch.setattr(allreduce, "gate", lambda name: "forced off" if name == "fused" else None)
   xs, res, w = inputs(("gate",), 2, (3, 576))
   assert chosen_strategy(res, w, residual=res) == "ar_norm_then_quant"
   with caplog.at_level(logging.INFO, logger="jfusedq"):
@@ -214,6 +214,50 @@ def test_op_decline_falls_through(monkeypatch):
   with pytest.raises(Unsupported, match="fused kernel unavailable"):
     chosen_strategy(res, w, residual=res, strategy="fused")
   assert chosen_strategy(res, w, strategy=("fused", "generic")) == "generic"
+
+
+def test_implementations_override(caplog):
+  """`implementations` sets the order where strategy=None; an explicit strategy still wins, a
+  name there falls back no more than one passed directly, and the block's end restores it."""
+  xs, res, w = inputs(("override",), 2, (3, 576))
+  with implementations(allreduce_rmsnorm_quant="generic"):
+    assert chosen_strategy(res, w, residual=res) == "generic"
+    assert chosen_strategy(res, w, residual=res, strategy="fused") == "fused"
+    with caplog.at_level(logging.INFO, logger="jfusedq"):
+      got = sharded(2, lambda x, r, w: allreduce_rmsnorm_quant(x, r, w, axis_name=AXIS), xs,
+                    res, w)
+    with implementations(allreduce_rmsnorm_quant=("ar_norm_then_quant", "generic")):
+      assert chosen_strategy(res, w, residual=res) == "ar_norm_then_quant"
+    assert chosen_strategy(res, w, residual=res) == "generic"
+  assert chosen_strategy(res, w, residual=res) == "fused"
+  assert "allreduce_rmsnorm_quant: strategy generic on cpu" in caplog.text
+  assert_matches(got, sharded(2, reference, xs, res, w), "generic")
+  # The sequence-parallel entry reads the same key (its log line names it).
+  xs4, _, _ = inputs(("override_sp",), 2, (4, 576), residual=False)
+  with implementations(allreduce_rmsnorm_quant="generic"), caplog.at_level(logging.INFO,
+                                                                           logger="jfusedq"):
+    sharded(2, lambda x, r, w: reduce_scatter_rmsnorm_quant(x, None, w, axis_name=AXIS)[0], xs4,
+            None, w)
+  assert "reduce_scatter_rmsnorm_quant: strategy generic on cpu" in caplog.text
+
+
+def test_implementations_override_named_and_ops(monkeypatch):
+  """An overriding name is explicit (no fallback past a declined or gated-off strategy); an
+  op's override reaches the strategies that call it with implementation=None."""
+  monkeypatch.setattr(allreduce, "gate", lambda name: "forced off" if name == "fused" else None)
+  xs, res, w = inputs(("override_named",), 2, (2, 4097))
+  with implementations(allreduce_rmsnorm_quant="fused"):
+    with pytest.raises(Unsupported, match="forced off"):
+      chosen_strategy(res, w, residual=res)
+  # 4097 columns: the Pallas kernels decline, so with Pallas forced on the ops ar_norm_then_quant
+  # falls through to generic; with the XLA paths forced it builds.
+  with implementations(rmsnorm="pallas", group_quant="pallas"):
+    assert chosen_strategy(res, w, residual=res) == "generic"
+  with implementations(rmsnorm="xla", group_quant="xla"):
+    assert chosen_strategy(res, w, residual=res) == "ar_norm_then_quant"
+  with pytest.raises(ValueError, match="unknown strategy"):
+    with implementations(allreduce_rmsnorm_quant="fast"):
+      pass
 
 
 def test_pallas_decline_reaches_generic():

@@ -12,9 +12,13 @@ from jfusedq import _target
 from jfusedq.fp8 import BLOCK, E4M3FN, E4M3FNUZ, Fp8Format, QuantizedActivation
 from jfusedq.ops import _common
 from jfusedq.ops import _dispatch
-from jfusedq.ops._dispatch import Unsupported, dispatch
+from jfusedq.ops._dispatch import Unsupported, declare, dispatch
 from jfusedq.ops.fp8_matmul import mosaic_gpu, pallas, reference, triton
 from jfusedq.ops.group_quant import group_quant
+
+IMPLEMENTATIONS = ("pallas", "triton", "mosaic_gpu", "xla")
+declare("fp8_matmul", IMPLEMENTATIONS)
+declare("grouped_fp8_matmul", IMPLEMENTATIONS)
 
 # Triton first (_dispatch.GPU_ORDER): on the H200 it ran 0.99-1.06x the Pallas kernel's speed at
 # M <= 16, 1.15-1.72x at M = 64 and 2.0-2.3x at M = 4096 (the Pallas-Triton lowering feeds fp8
@@ -62,6 +66,8 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
       `triton.heuristics`, by M and device) or `mosaic_gpu.Config`.
   """
   n, k = _check_weight(weight, weight_scale)
+  # An `implementations` override counts as passed here, so it reaches the quantisation too.
+  implementation = _dispatch.requested("fp8_matmul", implementation)
   qa = _quantized(a, weight, k, implementation)
 
   def xla():
@@ -69,16 +75,14 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
 
   def tiled(kernels, heuristics):
     def run():
-      *lead, _ = qa.q.shape
-      m = math.prod(lead)
+      m = _common.rows(qa.q)
       if m == 0:
         return xla()
       _check_kernel(weight, config, kernels)
-      sa = qa.scale.reshape(m, -1) if qa.layout == "row" else qa.scale.reshape(-1, m)
-      cfg = config or heuristics(m, n, k)
-      out = kernels.fp8_matmul(qa.q.reshape(m, k), sa, qa.layout, weight, weight_scale, cfg,
-                               out_dtype)
-      return out.reshape(*lead, n)
+      a2 = qa.flatten()
+      out = kernels.fp8_matmul(a2.q, a2.scale, a2.layout, weight, weight_scale,
+                               config or heuristics(m, n, k), out_dtype)
+      return _common.unflat(out, qa.q.shape[:-1])
     return run
 
   backends = {"pallas": tiled(pallas, pallas.heuristics),
@@ -86,7 +90,7 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
               "mosaic_gpu": tiled(mosaic_gpu, mosaic_gpu.heuristics),
               "xla": xla}
   return dispatch("fp8_matmul", backends, implementation,
-                  gpu_order=gpu_order(math.prod(qa.q.shape[:-1]), n, k))
+                  gpu_order=gpu_order(_common.rows(qa.q), n, k))
 
 
 def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
@@ -116,6 +120,7 @@ def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
   if ids is not None and (ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer)):
     raise ValueError(f"ids must be a [B] integer array, got {ids.dtype}{list(ids.shape)}")
   b = e if ids is None else ids.shape[0]
+  implementation = _dispatch.requested("grouped_fp8_matmul", implementation)
   qa = _quantized(a, weight, k, implementation)
   if qa.q.ndim < 2:
     raise ValueError(f"a must be [G, ..., K], got shape {qa.q.shape}")
@@ -123,8 +128,8 @@ def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
   if g == 0 or b % g:
     raise ValueError(f"{g} activation groups do not divide {b} products")
   m = math.prod(lead)
-  q3 = qa.q.reshape(g, m, k)
-  s3 = qa.row_scale().reshape(g, m, -1)
+  a3 = qa.with_layout("row").unflatten((g, m))
+  q3, s3 = a3.q, a3.scale
 
   def per_product(impl):
     def run():

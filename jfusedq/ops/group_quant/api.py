@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import math
-
 import jax
 
 from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.ops import _common
-from jfusedq.ops._dispatch import dispatch
+from jfusedq.ops._dispatch import declare, dispatch
 from jfusedq.ops.group_quant import pallas, reference, triton
+
+declare("group_quant", ("pallas", "triton", "xla"))
 
 
 def group_quant(x: jax.Array, *, group_size: int = BLOCK, fmt: Fp8Format | str | None = None,
@@ -47,15 +47,12 @@ def group_quant(x: jax.Array, *, group_size: int = BLOCK, fmt: Fp8Format | str |
 
   def rowwise(kernels):
     def run():
-      *lead, k = x.shape
-      rows = math.prod(lead)
-      if rows == 0:
+      if _common.rows(x) == 0:
         return xla()
-      q, scale = kernels.group_quant(x.reshape(rows, k), fmt, group_size=group_size,
-                                     layout=layout, ue8m0=ue8m0, config=config)
-      groups = scale.shape[1] if layout == "row" else scale.shape[0]
-      scale = scale.reshape(*lead, groups) if layout == "row" else scale.reshape(groups, *lead)
-      return QuantizedActivation(q.reshape(x.shape), scale, group_size=group_size, layout=layout)
+      q, scale = kernels.group_quant(_common.flat(x), fmt, group_size=group_size, layout=layout,
+                                     ue8m0=ue8m0, config=config)
+      return QuantizedActivation(q, scale, group_size=group_size,
+                                 layout=layout).unflatten(x.shape[:-1])
     return run
 
   return dispatch("group_quant", {"pallas": rowwise(pallas), "triton": rowwise(triton),

@@ -7,20 +7,22 @@ norm.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 
 from jfusedq.fp8 import BLOCK
-from jfusedq.ops._dispatch import dispatch
+from jfusedq.ops import _common
+from jfusedq.ops._dispatch import declare, dispatch
 from jfusedq.ops.group_quant import pallas as gq_pallas
 from jfusedq.ops.rmsnorm_quant import api as rq_api
 from jfusedq.ops.rmsnorm_quant import pallas as rq_pallas
 from jfusedq.ops.rmsnorm_quant import triton as rq_triton
 from jfusedq.ops.rmsnorm_quant.reference import add_residual
 from jfusedq.ops.rmsnorm_quant.reference import rmsnorm as rmsnorm_ref
+
+declare("rmsnorm", ("pallas", "triton", "xla"))
 
 
 class RmsNormOutput(NamedTuple):
@@ -45,17 +47,14 @@ def rmsnorm(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None = Non
 
   def rowwise(kernels):
     def run():
-      *lead, k = x.shape
-      rows = math.prod(lead)
-      if rows == 0:
+      if _common.rows(x) == 0:
         return xla()
-      flat = lambda a: None if a is None else a.reshape(rows, k)
       _, _, res_out, y, _ = kernels.rmsnorm_quant(
-          flat(x), weight, residual=flat(residual), eps=float(eps),
-          weight_offset=float(weight_offset), fmt=None, group_size=BLOCK, layout="row", ue8m0=False,
-          keep_hp=True, x2=None, weight2=None, eps2=None, config=config)
-      return RmsNormOutput(y.reshape(x.shape),
-                           None if res_out is None else res_out.reshape(x.shape))
+          _common.flat(x), weight, residual=_common.flat(residual), eps=float(eps),
+          weight_offset=float(weight_offset), fmt=None, group_size=BLOCK, layout="row",
+          ue8m0=False, keep_hp=True, x2=None, weight2=None, eps2=None, config=config)
+      lead = x.shape[:-1]
+      return RmsNormOutput(_common.unflat(y, lead), _common.unflat(res_out, lead))
     return run
 
   return dispatch("rmsnorm", {"pallas": rowwise(rq_pallas), "triton": rowwise(rq_triton),

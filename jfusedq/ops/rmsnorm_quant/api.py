@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import jax
 
 from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.ops import _common
-from jfusedq.ops._dispatch import dispatch
+from jfusedq.ops._dispatch import declare, dispatch
 from jfusedq.ops.group_quant import pallas as gq_pallas
 from jfusedq.ops.rmsnorm_quant import pallas, reference, triton
 from jfusedq.ops.rmsnorm_quant.reference import RmsNormQuantOutput
+
+declare("rmsnorm_quant", ("pallas", "triton", "xla"))
 
 
 # Triton first (_dispatch.GPU_ORDER): on the H200 it ran 1.05-1.4x the Pallas kernel's speed at
@@ -63,19 +64,14 @@ def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None
 
   def rowwise(kernels):
     def run():
-      *lead, h = x.shape
-      rows = math.prod(lead)
-      if rows == 0:
+      if _common.rows(x) == 0:
         return xla()
-      flat = lambda a: None if a is None else a.reshape(rows, a.shape[-1])
+      flat, lead = _common.flat, x.shape[:-1]
       q, scale, res_out, hp, norm2 = kernels.rmsnorm_quant(
           flat(x), weight, **{**kw, "residual": flat(residual), "x2": flat(x2)}, config=config)
-      groups = scale.shape[1] if layout == "row" else scale.shape[0]
-      scale = scale.reshape(*lead, groups) if layout == "row" else scale.reshape(groups, *lead)
-      unflat = lambda a, like: None if a is None else a.reshape(like.shape)
-      quant = QuantizedActivation(q.reshape(x.shape), scale, unflat(hp, x),
-                                  group_size=group_size, layout=layout)
-      return RmsNormQuantOutput(quant, unflat(res_out, x), unflat(norm2, x2))
+      quant = QuantizedActivation(q, scale, hp, group_size=group_size,
+                                  layout=layout).unflatten(lead)
+      return RmsNormQuantOutput(quant, _common.unflat(res_out, lead), _common.unflat(norm2, lead))
     return run
 
   return dispatch("rmsnorm_quant", {"pallas": rowwise(pallas), "triton": rowwise(triton),
