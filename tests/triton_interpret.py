@@ -8,7 +8,9 @@ which the interpreter expects, is not needed).
 Every masked-in address a kernel loads or stores is checked against the call's own arrays, so
 an out-of-bounds access fails the test instead of passing unseen, and outputs start poisoned
 (0x7F bytes) so an unwritten element cannot pass as a value. Only the `-k triton` cases are
-meant to run under it: Pallas kernels would now be built for the GPU, which is absent. ROCm
+meant to run under it (each op's shared suite over `helpers.IMPLEMENTATIONS`, whose `triton`
+entry this plugin makes runnable, and the Triton-named tests): Pallas kernels would be built
+for the GPU here, which is absent. ROCm
 targets are not interpreted: Triton 3.6's interpreter has no fp8e4b8 (e4m3fnuz) type.
 """
 
