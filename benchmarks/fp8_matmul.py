@@ -15,7 +15,8 @@ unquantised weight), `xla_dequant` (dequantise the fp8 weight to bf16, then the 
 With --sweep, every case instead times the kernel of `--sweep-impl` (pallas, triton or
 mosaic_gpu) under the candidate tilings of `sweep_configs` (input already quantised) and writes
 fp8_matmul_sweep[_<impl>].json: the data the heuristics are set from. --nks picks shapes
-(e.g. 12288x4096) and --tag suffixes the results file (fp8_matmul[_sweep[_<impl>]]_<tag>.json).
+(e.g. 12288x4096; default: the models' projections, `jfusedq.testing.PROJECTIONS`) and --tag
+suffixes the results file (fp8_matmul[_sweep[_<impl>]]_<tag>.json).
 
 Run: python benchmarks/fp8_matmul.py [--ms 1 4096 ...] [--nks NxK ...] [--extra triton mosaic_gpu]
      [--out DIR] [--commit SHA] [--tag T] [--smoke] [--sweep [--sweep-impl triton]]
@@ -41,12 +42,12 @@ from jfusedq.ops.fp8_matmul import pallas as mm_pallas  # noqa: E402
 from jfusedq.ops.fp8_matmul import triton as mm_triton  # noqa: E402
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight  # noqa: E402
 from jfusedq.ops._common import pow2_floor  # noqa: E402
-from jfusedq.testing import rel_rms  # noqa: E402
+from jfusedq.testing import (DECODE_TOKENS, EDGE_PROJECTIONS, PREFILL_TOKENS,  # noqa: E402
+                             PROJECTIONS, rel_rms)
 
-MS = (1, 16, 64, 256, 4096)
+MS = DECODE_TOKENS + PREFILL_TOKENS
 SWEEP_MS = (1, 64, 256, 4096)  # M = 16 tiles like M = 1 (block_m 16): ask for it with --ms
-# DeepSeek-V3 q_a+kv_a, q_b, o_proj; Qwen3.5 in_proj_qkv, out_proj.
-NKS = ((2112, 7168), (24576, 1536), (7168, 16384), (12288, 4096), (4096, 8192))
+NKS = tuple(PROJECTIONS.values())
 
 
 def bf16_tflops(n: int = 8192) -> float:
@@ -107,17 +108,17 @@ def sweep_configs(impl: str, m: int, n: int, k: int) -> list:
     return [h] + [c for c in cands if c != h]
   kb = -(-k // mm_pallas.BLOCK_K)
   if m <= 64:
-    # half the splits too: their f32 partials were the suspect for M = 64's 10-40% over M = 1
-    # (fp8_matmul_decode.json); half ran 4-25% slower (fp8_matmul_sweep_triton_m64.json)
+    # Half the splits too: their f32 partials were the suspect for M = 64 taking 10-40% longer
+    # than M = 1 on the H200; half the splits ran 4-25% slower there.
     cands = [mm_pallas.Config(h.block_m, bn, s, 4, 4) for bn in (32, 64, 128)
              for s in dict.fromkeys((max(1, h.k_splits // 2), h.k_splits,
                                      min(2 * h.k_splits, pow2_floor(kb))))]
     # One kernel with no f32 partials to reduce: narrow tiles for enough programs, deeper
-    # pipelines for enough weight bytes in flight. 1.04-1.4x slower than the split at M = 1
-    # (fp8_matmul_sweep_pallas_m1.json): the second kernel is not what small shapes lose.
+    # pipelines for enough weight bytes in flight. 1.04-1.4x slower than the split at M = 1 on
+    # the H200: the second kernel is not what small shapes lose.
     cands += [mm_pallas.Config(h.block_m, bn, 1, 4, st) for bn in (16, 32) for st in (4, 8)]
-    # M = 64: two warp groups (4-38% slower) and other pipeline depths (-6% to +26%;
-    # fp8_matmul_sweep_triton_m64_stages.json).
+    # M = 64: two warp groups (4-38% slower on the H200) and other pipeline depths (-6% to
+    # +26%).
     if m > 16:
       cands += [mm_pallas.Config(h.block_m, h.block_n, h.k_splits, w, st)
                 for w in (4, 8) for st in (3, 5, 6)]
@@ -178,7 +179,7 @@ def main():
                   help="time only these (xla_bf16, the ratios' base, is always timed)")
   args = ap.parse_args()
   nks = tuple(tuple(int(d) for d in nk.split("x")) for nk in args.nks) if args.nks else NKS
-  ms, nks = ((1, 16), ((256, 384),)) if args.smoke else (args.ms or MS, nks)
+  ms, nks = ((1, 16), (EDGE_PROJECTIONS["small"],)) if args.smoke else (args.ms or MS, nks)
   name = "fp8_matmul" + (f"_{args.tag}" if args.tag else "")
   impls = dict(IMPLS, **{extra: EXTRA_IMPLS[extra] for extra in args.extra})
   if args.impls:

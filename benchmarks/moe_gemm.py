@@ -1,15 +1,15 @@
 """H200 benchmark: MoE expert GEMMs, one grouped launch against a launch per expert product.
 
-Cases are DeepSeek-V3's expert projections (gate/up: N = 2048, K = 7168; down: N = 7168,
-K = 2048) over E experts with top-k routing:
+Cases are DeepSeek-V3's expert projections (`jfusedq.testing.EXPERTS`; gate/up: N = 2048,
+K = 7168; down: N = 7168, K = 2048) over E experts with top-k routing:
   gathered  M tokens x k experts each (decode): B = M*k products, `ids` from the router
   dense     every expert on the same M tokens (B = E)
 Implementations (activation already quantised, row scales):
   grouped   `grouped_fp8_matmul(..., implementation="triton")`: one launch, weights read in place
-  pallas    the same on the Pallas kernel (one launch, experts read in place by `ids`): the
-            grouped kernel written in Pallas (both are captured in XLA's CUDA graph now)
-  mapped    `jax.vmap(fp8_matmul)` over `weight[ids]` (Triton): what StackedLinear did before;
-            the gather and the launcher's sequential vmap copy every product's weight
+  pallas    the same on the Pallas kernel (one launch, experts read in place by `ids`); both
+            kernels are captured in XLA's CUDA graph
+  mapped    `jax.vmap(fp8_matmul)` over `weight[ids]` (Triton): a launch per product, the
+            gather and the launcher's sequential vmap copying every product's weight
   xla       `grouped_fp8_matmul(..., implementation="xla")`: dequantise + dot per product
 Bytes per call = the distinct experts' fp8 weights (U * N * K) + their scales + activations
 and bf16 outputs; roofline = bytes / copy bandwidth measured in the same run. Weights are fresh
@@ -36,9 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
 from jfusedq import default_format, fp8_matmul, group_quant, grouped_fp8_matmul  # noqa: E402
 from jfusedq.nn import quantize_weight  # noqa: E402
-from jfusedq.testing import rel_rms  # noqa: E402
+from jfusedq.testing import EDGE_PROJECTIONS, EXPERTS, rel_rms  # noqa: E402
 
-NKS = ((2048, 7168), (7168, 2048))  # DeepSeek-V3 expert gate/up, down
+NKS = tuple(EXPERTS.values())
 
 
 def make_problem(m, n, k, e, topk, dense, seed):
@@ -93,7 +93,10 @@ def main():
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, XLA only, on CPU")
   args = ap.parse_args()
   impls = {i: IMPLS[i] for i in dict.fromkeys(["xla", *(args.impls or IMPLS)])}
-  nks, impls = (((256, 384),), {"xla": IMPLS["xla"]}) if args.smoke else (NKS, impls)
+  if args.smoke:
+    nks, impls = (EDGE_PROJECTIONS["small"],), {"xla": IMPLS["xla"]}
+  else:
+    nks = NKS
   e, topk = args.experts, args.topk
   bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
   print(f"device {jax.devices()[0].device_kind}: copy {bw:.2f} TB/s")
