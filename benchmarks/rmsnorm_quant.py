@@ -1,4 +1,5 @@
-"""H200 benchmark: fused add + RMSNorm + per-group FP8 quant, Pallas vs the XLA path.
+"""H200 benchmark: fused add + RMSNorm + per-group FP8 quant, every implementation and the
+default order (`impl: "default"`: implementation=None, as a user calls it).
 
 Bytes each call must move (B = bytes per input element, 2 for bf16, G = 128):
   main case (with residual):  T*H*B (x) + T*H*B (residual in) + H*B (weight)
@@ -9,8 +10,8 @@ Roofline = those bytes / the device copy bandwidth measured in the same run (a 2
 `same_size_frac` = time of a copy moving the case's bytes / the kernel's time: the ceiling a
 kernel of that size can reach, fixed launch and tail costs included.
 
-Run: python benchmarks/rmsnorm_quant.py [--impls xla pallas triton] [--ts 1 4096 ...] [--sweep]
-     [--out DIR] [--commit SHA] [--tag T] [--smoke]
+Run: python benchmarks/rmsnorm_quant.py [--impls xla pallas triton default] [--ts 1 4096 ...]
+     [--hs 4096 7168 ...] [--sweep] [--chain] [--out DIR] [--commit SHA] [--tag T] [--smoke]
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from jfusedq.ops.group_quant import Config  # noqa: E402
 from jfusedq.testing import quant_mismatch  # noqa: E402
 
 G = 128
-TS = (1, 16, 64, 256, 1024, 4096, 16384)
+TS = (1, 64, 4096, 16384)
+HS = (1536, 2048, 4096, 5120, 7168)  # DeepSeek-V3 and Qwen3.5 hidden and q_a sizes
 
 
 def case_bytes(t, h, h2=0, residual=True):
@@ -58,6 +60,8 @@ def make_inputs(t, h, h2, residual, seed):
 
 
 def op_for(impl, config=None):
+  impl = None if impl == "default" else impl
+
   def op(x, r, w, x2, w2):
     out = rmsnorm_quant(x, w, residual=r, x2=x2, weight2=w2, implementation=impl, config=config)
     return out.quant.q, out.quant.scale, out.residual, out.norm2
@@ -68,6 +72,7 @@ def check(make, impl, config=None):
   """A kernel vs XLA on one input set: the same tolerances as the test suite."""
   x, r, w, x2, w2 = make(1)[0]
   kw = dict(residual=r, x2=x2, weight2=w2)
+  impl = None if impl == "default" else impl
   a = rmsnorm_quant(x, w, implementation=impl, config=config, **kw)
   b = rmsnorm_quant(x, w, implementation="xla", **kw)
   why = quant_mismatch(a.quant, b.quant, max_code_frac=1e-3, scale_rtol=1e-6)
@@ -90,14 +95,21 @@ def chain_len(nbytes):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--sweep", action="store_true", help="also time other tilings at T >= 4096")
-  ap.add_argument("--impls", nargs="+", default=["xla", "pallas"], help="xla first: the baseline")
+  ap.add_argument("--impls", nargs="+", default=["xla", "pallas", "triton", "default"],
+                  help="xla first: the baseline")
   ap.add_argument("--ts", nargs="+", type=int, default=TS)
+  ap.add_argument("--hs", nargs="+", type=int, default=HS)
+  ap.add_argument("--chain", action="store_true",
+                  help="also time the wall-clock slope (a second compile per row)")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--commit", default="unknown")
   ap.add_argument("--tag", default="", help="results file rmsnorm_quant_<tag>.json")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on CPU")
   args = ap.parse_args()
-  ts, hs = ((1, 16), (576, 2112)) if args.smoke else (args.ts, (4096, 7168))
+  ts, hs = ((1, 16), (576, 2112)) if args.smoke else (args.ts, args.hs)
+  on_gpu = jax.devices()[0].platform == "gpu"
+  impls = args.impls if on_gpu else [i for i in args.impls if i != "triton"]  # GPU only
+  chain = args.chain or not on_gpu  # no profiler kernel time without a GPU
 
   bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
   print(f"device {jax.devices()[0].device_kind}; measured copy bandwidth {bw:.2f} TB/s")
@@ -107,7 +119,7 @@ def main():
   cases = [dict(T=t, H=h) for h in hs for t in ts]
   cases += [dict(T=t, H=1536, H2=512) for t in ts]
   rows = []
-  print(f"{'case':>32} {'impl':>18} {'us':>8} {'chain':>8} {'kern':>4} {'TB/s':>5} {'roof':>5}"
+  print(f"{'case':>32} {'impl':>24} {'us':>8} {'chain':>8} {'kern':>4} {'TB/s':>5} {'roof':>5}"
         f" {'same':>5} {'vs_xla':>6} ok")
   for n_case, case in enumerate(cases):
     t, h, h2 = case["T"], case["H"], case.get("H2", 0)
@@ -115,15 +127,15 @@ def main():
     nbytes = case_bytes(t, h, h2, residual)
     make = make_inputs(t, h, h2, residual, seed=n_case)
     n = chain_len(nbytes)
-    configs = [(impl, None) for impl in args.impls]
+    configs = [(impl, None) for impl in impls]
     if args.sweep and t >= 4096:
-      configs += [(f"pallas(br={br},nw={nw})", Config(br, nw))
-                  for br in (1, 2, 4) for nw in (4, 8, 16)]
+      configs += [(f"{impl}(br={br},nw={nw})", Config(br, nw))
+                  for impl in ("pallas", "triton") for br in (1, 2, 4) for nw in (4, 8, 16, 32)]
     same = _harness.copy_seconds(nbytes)
     xla = None
     for impl, config in configs:
       ok = True if impl == "xla" else check(make, impl.split("(")[0], config)
-      m = _harness.measure(op_for(impl.split("(")[0], config), make, n)
+      m = _harness.measure(op_for(impl.split("(")[0], config), make, n, chain=chain)
       sec = m["kernel_s"] or m["chain_s"]
       xla = xla or sec
       tbps = nbytes / sec / 1e12
@@ -132,10 +144,12 @@ def main():
                        vs_xla=round(xla / sec, 3), correct=ok, bytes=nbytes,
                        copy_same_bytes_us=round(same * 1e6, 3),
                        same_size_frac=round(same / sec, 3),
-                       chain_us=round(m["chain_s"] * 1e6, 3), config=None if config is None
+                       chain_us=m["chain_s"] and round(m["chain_s"] * 1e6, 3),
+                       config=None if config is None
                        else str(config),
-                       kernels_per_call=m["kernels_per_call"]))
-      print(f"{str(case):>32} {impl:>18} {sec * 1e6:8.2f} {m['chain_s'] * 1e6:8.2f} "
+                       kernels_per_call=m["kernels_per_call"],
+                       kernels=list(m.get("top_kernels", {}))[:3]))
+      print(f"{str(case):>32} {impl:>24} {sec * 1e6:8.2f} {(m['chain_s'] or 0) * 1e6:8.2f} "
             f"{m['kernels_per_call'] or 0:4.1f} {tbps:5.2f} {tbps / bw:5.2f} {same / sec:5.2f} "
             f"{xla / sec:6.2f} {'yes' if ok else 'NO'}", flush=True)
       # Rewritten after every row so that a run cut short still leaves its measurements.
