@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from jfusedq.checkpoint import QuantConfig
 from jfusedq.fp8 import QuantizedActivation, default_format
@@ -116,6 +117,15 @@ def prepare(norm: RMSNorm, h: jax.Array, residual: jax.Array | None, *, quant: b
   if residual is None:
     return norm(h, quant=quant, keep_hp=keep_hp), h.astype(norm.dtype)
   return norm(h, residual, quant=quant, keep_hp=keep_hp)
+
+
+def write_cache(cache: jax.Array | None, x: jax.Array, pos: jax.Array | int) -> jax.Array | None:
+  """`cache [B, S, ...]` with `x [B, T, ...]` (cast to the cache's dtype) in slots
+  pos .. pos + T - 1 (slot s holds position s); None stays None."""
+  if cache is None:
+    return None
+  at = (0, jnp.asarray(pos, jnp.int32)) + (0,) * (cache.ndim - 2)
+  return lax.dynamic_update_slice(cache, x.astype(cache.dtype), at)
 
 
 class CausalLMOutput(NamedTuple):

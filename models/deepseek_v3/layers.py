@@ -60,7 +60,7 @@ from jfusedq.nn import StackedLinear
 from jfusedq.ops.fp8_matmul import activation_format
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
 from jfusedq.ops.group_quant import group_quant
-from models.common import Options, is_fp8, prepare
+from models.common import Options, is_fp8, prepare, write_cache
 from models.deepseek_v3.config import DeepseekV3Config
 from models.deepseek_v3.rope import apply_rope, softmax_scale
 
@@ -309,9 +309,8 @@ class MLA(nnx.Module):
     else:
       new = (kv.astype(cache.kv.dtype), None)
       w = self.kv_b_proj.weight[...].astype(jnp.float32)
-    at = (0, pos, 0)
-    put = lambda c, x: None if c is None else lax.dynamic_update_slice(c, x.astype(c.dtype), at)
-    cache = KVCache(put(cache.kv, new[0]), put(cache.kv_scale, new[1]), put(cache.k_pe, k_pe))
+    cache = KVCache(write_cache(cache.kv, new[0], pos), write_cache(cache.kv_scale, new[1], pos),
+                    write_cache(cache.k_pe, k_pe, pos))
     # In f32 throughout: these einsums are small beside the projections (Lkv = 512 wide, one
     # query token at decode), the dequantised weight stays exact, and XLA:CPU has no batched
     # bf16 x bf16 -> f32 dot to fall back on.

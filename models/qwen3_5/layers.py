@@ -47,7 +47,7 @@ from jax import lax
 from jfusedq.nn import Linear, RMSNorm, StackedLinear, high_precision
 from jfusedq.ops.gated_delta_rule import gated_delta_rule
 from jfusedq.ops.rmsnorm_quant.reference import rmsnorm as rmsnorm_f32
-from models.common import Options, prepare
+from models.common import Options, prepare, write_cache
 from models.qwen3_5.config import GDN, Qwen35Config
 
 CHUNK = 64  # chunk length of the prefill gated delta rule (HF and fla use 64)
@@ -207,9 +207,7 @@ class Attention(nnx.Module):
     k = _apply_rope(k, pos, self.rotary_dim, self.theta)
     new = None
     if cache is not None:
-      idx = (0, jnp.asarray(pos, jnp.int32), 0, 0)
-      k = lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), idx)
-      v = lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), idx)
+      k, v = write_cache(cache["k"], k, pos), write_cache(cache["v"], v, pos)
       new = {"k": k, "v": v}
     s, hkv = k.shape[1], k.shape[2]
     q = q.reshape(b, t, hkv, -1, d)  # [B, T, Hkv, rep, D]
