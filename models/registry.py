@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from flax import nnx
 
-from models import deepseek_v3, qwen3_5
+from models import deepseek_v3, llama, qwen3_5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,11 +24,12 @@ class Family:
   from_pretrained: Callable
 
 
-_PACKAGES = (deepseek_v3, qwen3_5)
+_PACKAGES = (deepseek_v3, qwen3_5, llama)
 _FAMILIES = {
     deepseek_v3: Family(deepseek_v3.DeepseekV3Config, deepseek_v3.DeepseekV3ForCausalLM,
                         deepseek_v3.from_pretrained),
     qwen3_5: Family(qwen3_5.Qwen35Config, qwen3_5.Qwen35ForCausalLM, qwen3_5.from_pretrained),
+    llama: Family(llama.LlamaConfig, llama.LlamaForCausalLM, llama.from_pretrained),
 }
 MODEL_TYPES = {t: _FAMILIES[p] for p in _PACKAGES for t in p.MODEL_TYPES}
 
