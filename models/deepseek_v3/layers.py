@@ -182,9 +182,8 @@ class Experts(nnx.Module):
     lead, k = weights.shape[:-1], weights.shape[-1]
     m = math.prod(lead)
     if gathered if gathered is not None else m * k < self.num_experts:
-      if isinstance(x, QuantizedActivation) and x.layout != "row":
-        x = dataclasses.replace(x, scale=x.row_scale(), layout="row")
-      flat = jax.tree.map(lambda a: a.reshape(m, a.shape[-1]), x)  # [M, H] (q, scale, hp)
+      flat = (x.with_layout("row").flatten() if isinstance(x, QuantizedActivation)  # [M, H]
+              else x.reshape(m, x.shape[-1]))
       ids = idx.reshape(m, k)
       h = self._act(self.gate_proj.gathered(flat, ids), self.up_proj.gathered(flat, ids))
       y = self.down_proj.gathered(h, ids, batched=True)  # [M, k, H]
