@@ -1,4 +1,4 @@
-"""Kernels per step, counted from a compiled XLA module (the seeds' "kernels per layer" table).
+"""Kernels per step, counted from a compiled XLA module (the CLI's "kernels per layer" table).
 
 Every instruction XLA runs as its own launch counts: fusions, custom calls (Pallas/Triton,
 cuBLAS), collectives and unfused ops; bookkeeping instructions (parameters, tuples, bitcasts,

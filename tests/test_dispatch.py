@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jfusedq
-from jfusedq import Unsupported, implementations
+from jfusedq import Unsupported, _target, implementations
 from jfusedq.ops import _dispatch
 
 
@@ -38,7 +38,7 @@ def test_resolve_order_fallthrough_and_log(caplog):
                                default=("a", "b", "c")) == ("b", "b")
   assert calls == ["a", "b", "a", "b"]
   assert [r.getMessage() for r in caplog.records] == [
-      "op: implementation b on cpu; skipped a (a says no)"]
+      f"op: implementation b on {_target.current().platform}; skipped a (a says no)"]
   # A sequence is tried in order; a string never falls back.
   assert _dispatch.resolve("op", backends([], decline=("c",)), ("c", "a"), default=())[0] == "a"
   with pytest.raises(Unsupported, match="'a' was requested but cannot run this call: a says no"):

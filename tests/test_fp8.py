@@ -101,3 +101,42 @@ def test_quantized_activation_layouts_and_views(layout):
   mapped.validate()
   assert mapped.layout == "row" and mapped.shape == (2, 1, 3, 320)
   np.testing.assert_array_equal(mapped.dequantize(), want[:, None])
+
+
+@pytest.mark.parametrize("m", [1, 300])
+def test_xla_path_quantises_inside_a_larger_jit(m):
+  """The XLA fp8_matmul of a bf16 activation, and of rmsnorm_quant's output, inside one jit
+  equal the product of the codes computed on their own, bit for bit (W8A8, not W8A16: GPU
+  XLA's excess-precision simplification must not remove the fp8 rounding)."""
+  from jfusedq import fp8_matmul, group_quant, rmsnorm_quant
+  from jfusedq.nn.weights import quantize_weight
+  r = rng("excess_precision", m)
+  x = jnp.asarray(r.standard_normal((m, 1024)), jnp.bfloat16)
+  nw = jnp.asarray(r.uniform(0.5, 1.5, (1024,)), jnp.bfloat16)
+  w, s = quantize_weight(jnp.asarray(r.standard_normal((384, 1024)) * 0.02, jnp.float32),
+                         "e4m3fn")
+  mm = jax.jit(lambda a: fp8_matmul(a, w, s, implementation="xla"))
+  fetch = lambda t: jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), t)  # materialised
+  codes = fetch(jax.jit(lambda x: group_quant(x, fmt="e4m3fn", implementation="xla"))(x))
+  np.testing.assert_array_equal(np.asarray(mm(x), np.float32), np.asarray(mm(codes), np.float32))
+  norm = lambda x: rmsnorm_quant(x, nw, fmt="e4m3fn", implementation="xla").quant
+  fused = jax.jit(lambda x: fp8_matmul(norm(x), w, s, implementation="xla"))(x)
+  np.testing.assert_array_equal(np.asarray(fused, np.float32),
+                                np.asarray(mm(fetch(jax.jit(norm)(x))), np.float32))
+
+
+def test_xla_quantisation_keeps_its_codes():
+  """The XLA paths put the fp8 codes behind an optimisation barrier, which XLA does not
+  simplify through (on CPU the bit-for-bit test passes either way; this is what holds on GPU)."""
+  from jfusedq import fp8_matmul, group_quant
+  from jfusedq.nn.weights import quantize_weight
+  w, s = quantize_weight(jnp.ones((128, 256)), "e4m3fn")
+  for fmt in ("e4m3fn", "e4m3fnuz"):
+    fn = lambda x: group_quant(x, fmt=fmt, implementation="xla").dequantize()
+    text = jax.jit(fn).lower(jax.ShapeDtypeStruct((4, 256), jnp.bfloat16)).as_text()
+    barriers = [ln for ln in text.splitlines() if "optimization_barrier" in ln]
+    assert barriers and all(("f8E4M3FNUZ" if fmt == "e4m3fnuz" else "f8E4M3FN") in ln
+                            for ln in barriers)
+  text = jax.jit(lambda x: fp8_matmul(x, w, s, implementation="xla")).lower(
+      jax.ShapeDtypeStruct((4, 256), jnp.bfloat16)).as_text()
+  assert any("optimization_barrier" in ln and "f8E4M3FN" in ln for ln in text.splitlines())

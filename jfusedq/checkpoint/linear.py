@@ -61,8 +61,8 @@ def load_linear(ckpt: Checkpoint, names: str | Sequence[str], *, in_features: in
   """A projection's weight `[N, K]` (Hugging Face layout), parts concatenated along N.
 
   Each name `m` reads `m.weight` `[N_i, K]` and, when that is FP8, `m.weight_scale_inv`
-  `[ceil(N_i/128), ceil(K/128)]` (f32 in DeepSeek's format; bf16 / f16 read as f32). Several names make one fused
-  projection (DeepSeek's q_a_proj + kv_a_proj_with_mqa).
+  `[ceil(N_i/128), ceil(K/128)]` (f32 in DeepSeek's format; bf16 / f16 read as f32). Several
+  names make one fused projection (DeepSeek's q_a_proj + kv_a_proj_with_mqa).
 
   With `fmt` (FP8 wanted): FP8 parts are kept as stored (e4m3fn codes reinterpreted for an
   e4m3fnuz target with doubled scales, which is exact); high-precision parts are quantised with

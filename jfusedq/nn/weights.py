@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jfusedq.fp8 import AMAX_MIN, BLOCK, E4M3FN, E4M3FNUZ, Fp8Format, resolve_format
+from jfusedq.fp8 import (AMAX_MIN, BLOCK, E4M3FN, E4M3FNUZ, Fp8Format, keep_codes,
+                         resolve_format)
 
 
 def quantize_weight(w: jax.Array, fmt: Fp8Format | str | None = None, block: int = BLOCK):
@@ -30,7 +31,7 @@ def quantize_weight(w: jax.Array, fmt: Fp8Format | str | None = None, block: int
   blocks = wp.reshape(nb, block, kb, block)
   scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=(1, 3)), AMAX_MIN) / fmt.max
   q = jnp.clip(blocks / scale[:, None, :, None], -fmt.max, fmt.max)
-  q = q.reshape(nb * block, kb * block)[:n, :k].astype(fmt.dtype)
+  q = keep_codes(q.reshape(nb * block, kb * block)[:n, :k].astype(fmt.dtype))
   return q, scale
 
 

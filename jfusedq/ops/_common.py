@@ -31,7 +31,8 @@ def pow2_divisor(n: int) -> int:
 def check_group_size(group_size) -> None:
   # Kernels tile rows in power-of-two arrays, so a group must be one to divide the tile.
   if not is_pow2(group_size) or group_size < 8:
-    raise ValueError(f"group_size must be a power of two >= 8 (64 and 128 are used), got {group_size!r}")
+    raise ValueError(f"group_size must be a power of two >= 8 (64 and 128 are used), got "
+                     f"{group_size!r}")
 
 
 def check_layout(layout) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jfusedq.fp8 import AMAX_MIN, BLOCK, Fp8Format, QuantizedActivation
+from jfusedq.fp8 import AMAX_MIN, BLOCK, Fp8Format, QuantizedActivation, keep_codes
 
 
 def pow2_ceil(s: jax.Array) -> jax.Array:
@@ -32,7 +32,7 @@ def group_quant(y: jax.Array, fmt: Fp8Format, *, group_size: int = BLOCK, layout
   if ue8m0:
     scale = pow2_ceil(scale)
   q = jnp.clip(yg * (1.0 / scale)[..., None], -fmt.max, fmt.max)
-  q = q.reshape(*lead, groups * group_size)[..., :k].astype(fmt.dtype)
+  q = keep_codes(q.reshape(*lead, groups * group_size)[..., :k].astype(fmt.dtype))
   if layout == "col":
     scale = jnp.moveaxis(scale, -1, 0)
   return QuantizedActivation(q, scale, hp, group_size=group_size, layout=layout)
