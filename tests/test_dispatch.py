@@ -66,6 +66,8 @@ def test_implementations_sets_the_default_only():
     with implementations(group_quant=("triton", "xla"), rmsnorm="xla"):
       assert _dispatch.requested("group_quant", None) == ("triton", "xla")
       assert _dispatch.requested("rmsnorm", None) == "xla"
+      with implementations(group_quant=None):
+        assert _dispatch.requested("group_quant", None) is None
     assert _dispatch.requested("group_quant", None) == "pallas"
     # Another thread starts from its own (empty) context.
     t = threading.Thread(target=lambda: seen.append(_dispatch.requested("group_quant", None)))

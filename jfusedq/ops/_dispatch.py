@@ -50,7 +50,7 @@ def declare(op: str, names: Sequence[str], kind: str = "implementation") -> None
 
 
 @contextlib.contextmanager
-def implementations(**orders: Order) -> Iterator[None]:
+def implementations(**orders: Order | None) -> Iterator[None]:
   """Within the block, calls of the named ops / collectives that pass `implementation=None`
   (`strategy=None` for the all-reduces) behave as if they had passed the given value.
 
@@ -59,7 +59,7 @@ def implementations(**orders: Order) -> Iterator[None]:
   names) and "allreduce_rmsnorm_quant" (strategy names, for every entry of jfusedq.parallel:
   `allreduce_rmsnorm_quant`, `reduce_scatter_rmsnorm_quant`, their `_sharded` wrapper and
   `chosen_strategy`). The all-reduce strategies pass `implementation=None` on to their ops, so
-  an op's override reaches them too. Read
+  an op's override reaches them too. None restores the default order inside a nested block. Read
   when a call is traced: a function `jit` compiled before the block keeps its choice inside it
   (call `jax.clear_caches()` or trace anew). Blocks nest (the inner value wins) and are local
   to the thread or asyncio task (a context variable).
@@ -67,7 +67,8 @@ def implementations(**orders: Order) -> Iterator[None]:
   for op, order in orders.items():
     if op not in CANDIDATES:
       raise ValueError(f"implementations: unknown op {op!r}; choose from {sorted(CANDIDATES)}")
-    _names(op, order, CANDIDATES[op], _kinds[op])
+    if order is not None:
+      _names(op, order, CANDIDATES[op], _kinds[op])
   token = _overrides.set({**_overrides.get(), **orders})
   try:
     yield
