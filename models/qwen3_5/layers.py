@@ -193,8 +193,7 @@ class Attention(nnx.Module):
   def needs_hp(self) -> bool:
     return any(isinstance(p, Linear) for p in (self.q_proj, self.k_proj, self.v_proj))
 
-  def __call__(self, x, cache: dict | None = None, *, pos=0, mode=None):
-    del mode
+  def __call__(self, x, cache: dict | None = None, *, pos=0):
     qg = self.q_proj(x)
     b, t, _ = qg.shape
     d = self.d
