@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jfusedq.checkpoint import (Checkpoint, MissingTensorError, TensorMismatchError, load_array,
-                                load_linear)
+from jfusedq.checkpoint import (Checkpoint, MissingTensorError, QuantConfig, TensorMismatchError,
+                                load_array, load_linear)
 from jfusedq.fp8 import Fp8Format
 from jfusedq.nn import Fp8Linear, quantize_weight
 from models.common import check_loaded, checkpoint_quant, set_param
@@ -67,12 +67,15 @@ def _from_checkpoint(path, *, fp8, fmt, **kw) -> LlamaForCausalLM:
   return model
 
 
-def from_tensors(cfg: LlamaConfig, tensors: Mapping[str, np.ndarray], *, fp8: bool = False,
+def from_tensors(cfg: LlamaConfig, tensors: Mapping[str, np.ndarray], *,
+                 fp8: bool | QuantConfig = False,
                  fmt: Fp8Format | str | None = None, **kw) -> LlamaForCausalLM:
   """A model from high-precision arrays by Hugging Face name and layout (what `gguf.read`
-  returns), rounded to `param_dtype` masters; with `fp8` the projections are those masters
-  quantised to FP8 128 x 128 blocks (`quantize_weight`). `kw`: `LlamaForCausalLM`'s keywords."""
-  model = _abstract(cfg, checkpoint_quant(None, fp8, fmt), **kw)
+  returns), rounded to `param_dtype` masters; with `fp8` (True: the device's format, or a
+  QuantConfig) the projections are those masters quantised to FP8 128 x 128 blocks
+  (`quantize_weight`). `kw`: `LlamaForCausalLM`'s keywords."""
+  quant = fp8 if isinstance(fp8, QuantConfig) else checkpoint_quant(None, fp8, fmt)
+  model = _abstract(cfg, quant, **kw)
   pdt = model.opts.param_dtype
 
   def master(name, shape):

