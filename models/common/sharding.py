@@ -68,6 +68,17 @@ def check_split(state, specs, n: int) -> None:
                          f"one block (one scale) would straddle two devices")
 
 
+def place(a, sharding: NamedSharding) -> jax.Array:
+  """`a` laid out on `sharding`. A host value on a mesh spanning several processes (each
+  holding the same value) is cut there: each process supplies its own devices' shards, where
+  `jax.device_put` would first compare the value across processes (a collective per array)."""
+  local = not isinstance(a, jax.core.Tracer) and (not isinstance(a, jax.Array) or
+                                                  a.is_fully_addressable)
+  if sharding.is_fully_addressable or not local:
+    return jax.device_put(a, sharding)
+  return jax.make_array_from_callback(jnp.shape(a), sharding, lambda idx: a[idx])
+
+
 def tp_apply(model: nnx.Module, mesh: jax.sharding.Mesh, *, with_cache: bool = False,
              explicit_params: bool = False):
   """A jitted `f(tokens, cache=None, pos=0) -> (logits, cache)` running `model` (built with
@@ -98,15 +109,14 @@ def tp_apply(model: nnx.Module, mesh: jax.sharding.Mesh, *, with_cache: bool = F
   # check_vma=False: the Pallas and Triton kernels inside shard_map need it.
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(pspecs, P(), cspecs, P()),
                              out_specs=(P(), cspecs), check_vma=False))
-  put = lambda tree, specs: jax.tree.map(
-      lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs)
+  put = lambda tree, specs: jax.tree.map(lambda a, s: place(a, NamedSharding(mesh, s)), tree,
+                                        specs)
   state = put(state, pspecs)
   rep = NamedSharding(mesh, P())
 
   def pure(params, tokens, cache=None, pos=0):
     cache = put(cache, cspecs) if with_cache else None
-    logits, new = fn(params, jax.device_put(tokens, rep), cache,
-                     jax.device_put(jnp.asarray(pos, jnp.int32), rep))
+    logits, new = fn(params, place(tokens, rep), cache, place(jnp.asarray(pos, jnp.int32), rep))
     return CausalLMOutput(logits, new if with_cache else None)
 
   if explicit_params:
