@@ -1,28 +1,65 @@
 """The `jfusedq` command (also `python -m models`).
 
-  jfusedq run    a model's jit-compiled prefill + decode, fused vs unfused (the main job)
+  jfusedq run    one model three ways from one set of weights (bf16, FP8 unfused, FP8 fused):
+                 per-step decode times, kernels per step, numerics against bf16 (the main job)
   jfusedq demo   the fused add + RMSNorm + FP8 quant op alone, on the default device
   jfusedq plot   a PNG of a benchmark results file
+
+Bad input (an unknown preset, a checkpoint folder without config.json, --tp that does not
+split the heads, ...) is reported as one line on stderr with exit status 2, checked before
+anything compiles; JAX is imported only once the arguments are known good.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
+import types
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+from models import distributed
+from models.presets import PRESETS
 
-from jfusedq import _target, default_format, rmsnorm_quant
-from jfusedq.ops._dispatch import Unsupported, default_order
-from jfusedq.testing import quant_mismatch
+
+class UsageError(Exception):
+  """Bad arguments or input: one line on stderr, exit status 2, no traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):
+    raise UsageError(f"{self.prog}: {message}")
+
+
+def _positive(text: str) -> int:
+  try:
+    v = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+  if v <= 0:
+    raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+  return v
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+  """The library's errors about its input (a checkpoint's content, a file's format): reported
+  like bad arguments. Anything else is a bug and keeps its traceback."""
+  from jfusedq.checkpoint import CheckpointError
+  from jfusedq.checkpoint.safetensors import SafetensorsError
+  return CheckpointError, SafetensorsError
 
 
 def demo(args) -> int:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jfusedq import _target, default_format, rmsnorm_quant
+  from jfusedq.ops._dispatch import Unsupported, default_order
+  from jfusedq.testing import quant_mismatch
+
   target = _target.current()
   fmt = default_format()
   print(f"jax {jax.__version__} on {target.platform} ({target.device_kind}); fp8 format {fmt.name}"
@@ -73,40 +110,134 @@ def demo(args) -> int:
   return 0
 
 
+def _hf_config(args) -> dict:
+  """The preset's or the checkpoint's config dict, or UsageError naming what is wrong."""
+  if not args.checkpoint:
+    if args.model not in PRESETS:
+      raise UsageError(f"unknown preset {args.model!r}; choose from {', '.join(PRESETS)}")
+    return PRESETS[args.model]
+  path = args.checkpoint
+  if not os.path.exists(path):
+    raise UsageError(f"checkpoint {path}: no such folder")
+  if not os.path.isdir(path):
+    raise UsageError(f"checkpoint {path}: not a folder (a Hugging Face checkpoint is a folder "
+                     f"with config.json and *.safetensors)")
+  config = os.path.join(path, "config.json")
+  if not os.path.isfile(config):
+    raise UsageError(f"checkpoint {path}: no config.json in the folder")
+  try:
+    with open(config) as f:
+      hf = json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise UsageError(f"{config}: unreadable ({e})") from None
+  if not isinstance(hf, dict):
+    raise UsageError(f"{config}: not a JSON object")
+  return hf
+
+
+def _check_model(hf: dict, tp: int, where: str) -> None:
+  """Supported model_type and heads that split over `tp` devices (the model's own check_tp, on
+  the config alone: nothing is built)."""
+  from models import registry
+  try:
+    fam = registry.family(hf.get("model_type"))
+    fam.model.check_tp(types.SimpleNamespace(cfg=fam.config.from_hf(hf)), tp)
+  except ValueError as e:
+    raise UsageError(f"{where}: {e}") from None
+
+
+class _Progress:
+  """Each phase as a line on stderr; on a terminal, rich's spinner (with the elapsed time) over
+  phases of unknown length and its bar over the decode rounds."""
+
+  def __init__(self):
+    self.live = sys.stderr.isatty()
+
+  def say(self, msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+  def _progress(self, *columns):
+    from rich.console import Console
+    from rich.progress import Progress, TextColumn, TimeElapsedColumn
+    return Progress(TextColumn("{task.description}"), *columns, TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True)
+
+  @contextlib.contextmanager
+  def spin(self, label: str):
+    if not self.live:
+      yield
+      return
+    from rich.progress import SpinnerColumn
+    with self._progress(SpinnerColumn()) as p:
+      p.add_task(label, total=None)
+      yield
+
+  @contextlib.contextmanager
+  def bar(self, label: str, total: int):
+    if not self.live:
+      yield lambda: None
+      return
+    from rich.progress import BarColumn, MofNCompleteColumn
+    with self._progress(BarColumn(), MofNCompleteColumn()) as p:
+      task = p.add_task(label, total=total)
+      yield lambda: p.advance(task)
+
+
 def run(args) -> int:
+  hf = _hf_config(args)
+  where = args.checkpoint or args.model
   if args.tp > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     # Simulated CPU devices for --tp on a machine without accelerators; ignored by GPU backends.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.tp}").strip()
   # Imported once XLA_FLAGS holds the device count: JAX reads it when its backend starts.
+  import jax
+  distributed.initialize(args)
+  n = jax.device_count()
+  if args.tp > n:
+    raise UsageError(f"--tp {args.tp} needs {args.tp} devices; {n} available")
+  if n % args.tp:
+    raise UsageError(f"--tp {args.tp} does not divide the {n} devices")
+  _check_model(hf, args.tp, where)
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
   from models import run as runner
-
-  if args.tp > jax.device_count():
-    print(f"--tp {args.tp} needs {args.tp} devices; {jax.device_count()} available",
-          file=sys.stderr)
-    return 2
+  progress = _Progress()
   result = runner.run(args.model if not args.checkpoint else None, args.checkpoint,
-                      batch=args.batch, prompt_len=args.prompt_len, steps=args.steps, tp=args.tp,
-                      compare=args.compare, fp8=not args.bf16, seed=args.seed)
+                      batch=args.batch, prompt_len=args.prompt_len, steps=args.steps,
+                      repeats=args.repeats, tp=args.tp, paths=args.paths, seed=args.seed,
+                      progress=progress)
+  if not distributed.is_main():
+    return 0  # every process holds the results; process 0 prints them
   print(runner.table(result))
-  if args.json:
-    with open(args.json, "w") as f:
+  if args.out:
+    name = os.path.basename(os.path.normpath(where))
+    path = os.path.join(args.out, f"run_{name}.json")
+    with open(path, "w") as f:
       json.dump(runner.to_json(result), f, indent=1, default=float)
-    print(f"wrote {args.json}")
+    print(f"wrote {path}")
   return 0
 
 
 def plot(args) -> int:
   """PNG of a benchmark results file: time per case for each implementation."""
+  need = {"case", "impl", "time_us"}
+  try:
+    with open(args.results) as f:
+      doc = json.load(f)
+    bad = [need - set(r) for r in doc["rows"] if not need <= set(r)]
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise UsageError(f"{args.results}: unreadable ({e})") from None
+  except (KeyError, TypeError):
+    bad = [{"rows"}]
+  if bad:
+    raise UsageError(f"{args.results}: not a benchmark results file (no {sorted(bad[0])})")
   try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
-    print("jfusedq plot needs matplotlib: pip install 'jfusedq[plot]'", file=sys.stderr)
-    return 2
-  with open(args.results) as f:
-    doc = json.load(f)
+    raise UsageError("jfusedq plot needs matplotlib: pip install 'jfusedq[plot]'") from None
   cases = list(dict.fromkeys(json.dumps(r["case"], sort_keys=True) for r in doc["rows"]))
   impls = list(dict.fromkeys(r["impl"] for r in doc["rows"] if "(" not in r["impl"]))
   fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(cases)), 5))
@@ -132,37 +263,53 @@ def plot(args) -> int:
   ax.set_title(f"{doc['benchmark']} on {doc['device']} (jax {doc['jax']}, {doc['date']})")
   ax.legend()
   fig.tight_layout()
-  fig.savefig(args.out, dpi=120)
-  print(f"wrote {args.out}")
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, os.path.splitext(os.path.basename(args.results))[0] + ".png")
+  fig.savefig(path, dpi=120)
+  print(f"wrote {path}")
   return 0
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="jfusedq")
-  sub = ap.add_subparsers(dest="cmd", required=True)
+  ap = _Parser(prog="jfusedq")
+  sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
   d = sub.add_parser("demo", help="run fused add + RMSNorm + FP8 quant on the default device")
-  d.add_argument("--tokens", type=int, default=64)
-  d.add_argument("--hidden", type=int, default=7168)
-  d.add_argument("--reps", type=int, default=20)
+  d.add_argument("--tokens", type=_positive, default=64)
+  d.add_argument("--hidden", type=_positive, default=7168)
+  d.add_argument("--reps", type=_positive, default=20)
   d.add_argument("--seed", type=int, default=0)
-  r = sub.add_parser("run", help="model prefill + decode, fused vs unfused, with kernel counts")
+  r = sub.add_parser("run", help="a model three ways (bf16, FP8 unfused, FP8 fused): decode "
+                                 "step times, kernels per step, numerics against bf16")
   r.add_argument("--model", default="deepseek-v3-tiny",
-                 help="preset: deepseek-v3-tiny, deepseek-v3-layers, ...")
-  r.add_argument("--checkpoint", help="a Hugging Face checkpoint directory instead of a preset")
-  r.add_argument("--batch", type=int, default=2)
-  r.add_argument("--prompt-len", type=int, default=16)
-  r.add_argument("--steps", type=int, default=8, help="decode steps")
-  r.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
-  r.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
-                 help="also run the unfused path and compare (default on)")
-  r.add_argument("--bf16", action="store_true", help="unquantised (bf16) projections")
-  r.add_argument("--json", help="write the results to this file")
-  r.add_argument("--seed", type=int, default=0)
+                 help=f"preset: {', '.join(PRESETS)} (default %(default)s)")
+  r.add_argument("--checkpoint", help="a Hugging Face checkpoint folder (config.json + "
+                                      "*.safetensors) instead of a preset")
+  r.add_argument("--batch", type=_positive, default=2, help="sequences (default %(default)s)")
+  r.add_argument("--prompt-len", type=_positive, default=16,
+                 help="prompt tokens, the positions the numerics compare (default %(default)s)")
+  r.add_argument("--steps", type=_positive, default=32,
+                 help="decode steps a round, launched back to back (default %(default)s)")
+  r.add_argument("--repeats", type=_positive, default=20,
+                 help="timed rounds after a warm-up one: the median and p10-p90 per step are "
+                      "over these (default %(default)s)")
+  r.add_argument("--tp", type=_positive, default=1, help="tensor-parallel devices")
+  r.add_argument("--paths", nargs="+", choices=("bf16", "unfused", "fused"),
+                 default=["bf16", "unfused", "fused"], help="paths to run (default all three)")
+  r.add_argument("--out", help="folder for the results, run_<model>.json")
+  r.add_argument("--seed", type=int, default=0, help="random weights and tokens")
+  distributed.add_arguments(r)
   p = sub.add_parser("plot", help="PNG of a benchmarks/results/*.json file")
   p.add_argument("results")
-  p.add_argument("--out", default="benchmark.png")
-  args = ap.parse_args(argv)
-  return {"demo": demo, "run": run, "plot": plot}[args.cmd](args)
+  p.add_argument("--out", default=".", help="folder for <results name>.png (default: here)")
+  try:
+    args = ap.parse_args(argv)
+    return {"demo": demo, "run": run, "plot": plot}[args.cmd](args)
+  except UsageError as e:
+    print(e if str(e).startswith("jfusedq") else f"jfusedq: {e}", file=sys.stderr)
+    return 2
+  except _input_errors() as e:
+    print(f"jfusedq: {type(e).__name__}: {e}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 `*-tiny`: CPU-sized, random weights, every code path of the model (MoE, dense layers, MLA or
 GDN + attention). `*-layers`: the released models' real layer shapes (hidden sizes, heads,
-LoRA ranks, expert sizes) with few layers and fewer experts, for GPUs.
+LoRA ranks, expert sizes) with few layers and fewer experts, for GPUs. `*-deep`: those layers,
+as many as one H200 holds with the bf16 and FP8 weights side by side (`jfusedq run`'s three
+paths).
 """
 
 from __future__ import annotations
@@ -49,10 +51,22 @@ QWEN3_5_LAYERS = dict(
     num_experts_per_tok=10, max_position_embeddings=262144,
     rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25))
 
+# Deep enough that the layers, not the bf16 LM head, dominate a decode step: DeepSeek-V3's layer
+# shapes, 24 layers (its 3 dense + 21 MoE) of 16 experts (8 per token). bf16 masters 46.5 GB,
+# FP8 weights 25.1 GB (21.4 GB beyond the shared bf16 embedding and head): both 68 GB, one H200.
+DEEPSEEK_V3_DEEP = dict(DEEPSEEK_V3_LAYERS, num_hidden_layers=24, first_k_dense_replace=3)
+
+# Qwen3.5-397B-A17B's layer shapes, 48 of its 60 layers (36 GDN + 12 attention) of 16 experts
+# (10 per token). bf16 masters 35.6 GB, FP8 weights 19.9 GB (15.8 GB beyond the shared bf16
+# embedding and head): both 51 GB, one H200.
+QWEN3_5_DEEP = dict(QWEN3_5_LAYERS, num_hidden_layers=48)
+
 # Preset name -> a Hugging Face config dict (its `model_type` picks the model package).
 PRESETS = {
     "deepseek-v3-tiny": DEEPSEEK_V3_TINY,
     "deepseek-v3-layers": DEEPSEEK_V3_LAYERS,
     "qwen3.5-tiny": QWEN3_5_TINY,
     "qwen3.5-layers": QWEN3_5_LAYERS,
+    "deepseek-v3-deep": DEEPSEEK_V3_DEEP,
+    "qwen3.5-deep": QWEN3_5_DEEP,
 }

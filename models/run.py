@@ -1,16 +1,31 @@
-"""The main job: build a model, run a jit-compiled prefill then decode steps, fused and unfused,
-and report compile time, latency, throughput, kernels per step and their agreement.
+"""The main job: one set of master weights run three ways (bf16, FP8 unfused, FP8 fused), each a
+jit-compiled prefill then greedy decode steps as a serving loop runs them, with per-step times,
+kernels per step and the FP8 paths' numerics against bf16.
 
-Kernels per decode step are counted from the compiled HLO (`jfusedq.hlo`); the per-layer
-saving of the fused path is (unfused - fused) / layers.
-Latencies are wall clock around each jitted call (dispatch included): the device-time figures
-for GPUs come from `benchmarks/decode.py`.
+Weights: a preset builds bf16 masters from `seed`; the FP8 paths hold those masters quantised
+to 128 x 128 blocks (`quantize`), the fused and unfused paths the very same arrays. A
+checkpoint loads its masters (FP8 weights dequantised) for bf16 and its FP8 weights as stored.
+
+Decode loop: the model state is split once into a flat list of arrays; a step takes (params,
+token, cache, pos), picks the next token on the device (argmax inside the jit) and donates the
+cache, so a round of `steps` steps is launched back to back with no host sync until its end.
+Per path: `repeats` rounds after a warm-up one; step time = round wall time / steps (median and
+p10-p90 over rounds), host enqueue time = the launching loop's time / steps. On a GPU the
+profiler's kernel time per step is added (`device_ms`). On CPU these are XLA:CPU times of a
+host-bound program, not kernel speeds.
+
+Numerics: teacher-forced, the prefill's logits over one fixed token sequence, per position:
+KL(reference || path) and top-1 agreement, with the range measured for the preset (EXPECTED).
+Kernels per decode step are counted from the compiled HLO (`jfusedq.hlo`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import sys
+import glob
+import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -21,40 +36,101 @@ from flax import nnx
 
 from jfusedq import default_format
 from jfusedq.hlo import kernel_counts
+from jfusedq.nn import quantize_weight
 from models import registry
 from models.common import tp_apply
 from models.presets import PRESETS
 
+PATHS = ("bf16", "unfused", "fused")
+PAIRS = (("bf16", "unfused"), ("bf16", "fused"), ("unfused", "fused"))
+
+# (reference, path) -> (KL low, KL high, top-1 low, top-1 high) at the defaults (batch 2 x prompt
+# 16, teacher-forced): the min and max over seeds 0-15 of those figures, measured on CPU. The
+# random weights amplify one rounding layer by layer, so fused vs unfused moves as much as FP8
+# vs bf16 here; a trained model's figures are the accuracy reference.
+EXPECTED = {
+    "deepseek-v3-tiny": {("bf16", "unfused"): (2.8e-3, 2.4e-2, 0.71, 0.88),
+                         ("bf16", "fused"): (3.5e-3, 2.8e-2, 0.65, 0.94),
+                         ("unfused", "fused"): (3.3e-3, 2.3e-2, 0.68, 0.94)},
+    "qwen3.5-tiny": {("bf16", "unfused"): (2.5e-3, 9.0e-3, 0.68, 0.91),
+                     ("bf16", "fused"): (2.8e-3, 1.2e-2, 0.68, 0.97),
+                     ("unfused", "fused"): (2.0e-3, 5.5e-3, 0.75, 0.94)},
+}
+
 
 @dataclasses.dataclass
 class Built:
-  """A model and how to rebuild it with another fused setting (the same weights)."""
+  """A model's paths over one set of weights. `model`: the path `build` was asked for;
+  `make(fused, fp8=...)`: another path, sharing `master` (bf16) or the FP8 arrays."""
 
   model: nnx.Module
-  make: Callable[[bool], nnx.Module]
+  make: Callable[..., nnx.Module]
+  master: nnx.Module | None = None
 
   @property
   def layers(self) -> int:
     return len(self.model.layers)
 
 
+def quantize(master: nnx.Module, model: nnx.Module) -> nnx.Module:
+  """Fills `model` (an abstract FP8 model, `nnx.eval_shape`) from `master` (the same model
+  unquantised): each FP8 weight is its master quantised to 128 x 128 blocks (`quantize_weight`,
+  per expert for stacked ones); every other array is the master's own, shared, not copied."""
+  src = dict(nnx.to_flat_state(nnx.state(master)))
+  dst = dict(nnx.to_flat_state(nnx.state(model)))
+  fmt = model.opts.quant.fmt
+  one = jax.jit(lambda w: quantize_weight(w, fmt))
+  stacked = jax.jit(jax.vmap(lambda w: quantize_weight(w, fmt)))
+  for path, var in dst.items():
+    if path[-1] == "weight_scale_inv":
+      continue
+    w = src[path].get_value()
+    if jnp.dtype(var.get_value().dtype).itemsize == 1:
+      q, s = (stacked if w.ndim == 3 else one)(w)
+      var.set_value(q)
+      dst[path[:-1] + ("weight_scale_inv",)].set_value(s)
+    else:
+      var.set_value(w if w.dtype == var.get_value().dtype else w.astype(var.get_value().dtype))
+  return model
+
+
+def _rebind(model: nnx.Module, maker: Callable[[], nnx.Module]) -> nnx.Module:
+  """The module `maker` builds (another fused setting), holding `model`'s arrays."""
+  graphdef, _ = nnx.split(nnx.eval_shape(maker))
+  return nnx.merge(graphdef, nnx.state(model))
+
+
 def build(preset: str | None = None, checkpoint: str | None = None, *, fp8: bool = True,
           fused: bool = True, tp: int = 1, dtype=jnp.bfloat16, seed: int = 0,
           implementation: str | Sequence[str] | None = None) -> Built:
-  """A model from a preset (random weights from `seed`) or a Hugging Face checkpoint, built
-  for `tp` tensor-parallel devices (mesh axis "tp"); `implementation` is passed to every op
-  the model runs (None: each op's best)."""
+  """A model from a preset (bf16 masters from `seed`, FP8 = those quantised) or a Hugging Face
+  checkpoint, built for `tp` tensor-parallel devices (mesh axis "tp"); `implementation` is
+  passed to every op the model runs (None: each op's best). `Built.make(fused, fp8=fp8)` gives
+  the other paths over the same weights."""
   if not checkpoint and preset not in PRESETS:
     raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-  kw = dict(fp8=fp8, dtype=dtype, tp_axis="tp" if tp > 1 else None,
-            implementation=implementation)
+  kw = dict(dtype=dtype, tp_axis="tp" if tp > 1 else None, implementation=implementation)
+  if checkpoint:
+    new = lambda fp8, fused: registry.from_pretrained(checkpoint, fp8=fp8, fused=fused, **kw)
+    master = None
+  else:
+    new = lambda fp8, fused: registry.build(PRESETS[preset], seed=seed, fp8=fp8, fused=fused,
+                                            **kw)
+    master = new(False, False)
+  made: dict[bool, nnx.Module] = {}  # fp8 -> the first model built with those weights
 
-  def make(fused: bool) -> nnx.Module:
-    if checkpoint:
-      return registry.from_pretrained(checkpoint, fused=fused, **kw)
-    return registry.build(PRESETS[preset], seed=seed, fused=fused, **kw)
+  def make(fused: bool, fp8: bool = fp8) -> nnx.Module:
+    if fp8 in made:
+      return _rebind(made[fp8], lambda: new(fp8, fused))
+    if not fp8 and master is not None:
+      made[fp8] = master
+    elif fp8 and master is not None:
+      made[fp8] = quantize(master, nnx.eval_shape(lambda: new(True, fused)))
+    else:
+      made[fp8] = new(fp8, fused)
+    return made[fp8]
 
-  return Built(make(fused), make)
+  return Built(make(fused), make, master)
 
 
 def forward_fn(model: nnx.Module, tp: int):
@@ -80,113 +156,230 @@ def forward_fn(model: nnx.Module, tp: int):
   return forward, flat
 
 
-def _progress(i: int, n: int, label: str) -> None:
-  if sys.stderr.isatty():
-    done = int(30 * i / n)
-    sys.stderr.write(f"\r{label:>8} [{'#' * done}{'.' * (30 - done)}] {i}/{n}")
-    if i == n:
-      sys.stderr.write("\n")
-    sys.stderr.flush()
+def step_fns(forward):
+  """Jitted `prefill(params, tokens, cache) -> (logits, next [B, 1], cache)` and
+  `decode(params, token [B, 1], cache, pos) -> (next, cache, pos + 1)`: greedy tokens picked
+  on the device, the cache donated (updated in place), the position carried on the device."""
+  def prefill(params, tokens, cache):
+    logits, cache = forward(params, tokens, cache, 0)
+    return logits, jnp.argmax(logits[:, -1:], -1).astype(tokens.dtype), cache
+
+  def decode(params, tok, cache, pos):
+    logits, cache = forward(params, tok, cache, pos)
+    return jnp.argmax(logits[:, -1:], -1).astype(tok.dtype), cache, pos + 1
+
+  return jax.jit(prefill, donate_argnums=2), jax.jit(decode, donate_argnums=2)
 
 
-def run_one(built: Built, fused: bool, tokens: jax.Array, steps: int, tp: int,
-            forced: np.ndarray | None = None) -> dict:
-  """Prefill `tokens [B, T]`, then `steps` greedy decode steps (or the `forced` tokens)."""
-  model = built.model if fused else built.make(False)
-  b, t = tokens.shape
-  forward, params = forward_fn(model, tp)
-  prefill = jax.jit(lambda params, tok, cache: forward(params, tok, cache, 0))
-  decode = jax.jit(forward)
-  cache = model.init_cache(b, t + steps)
+def new_cache(model: nnx.Module, batch: int, length: int):
+  """`model.init_cache(batch, length)` with every array its own buffer: a donated argument
+  must not hold one buffer twice, and init_cache may hand out one zeros array for several
+  layers."""
+  return jax.tree.map(jnp.copy, model.init_cache(batch, length))
+
+
+def device_seconds(fn: Callable[[], object]) -> float | None:
+  """GPU kernel seconds of `fn()` from a profiler trace (summed over streams, averaged over the
+  GPUs that ran something), or None where the trace has no GPU (CPU)."""
+  with tempfile.TemporaryDirectory() as d:
+    jax.profiler.start_trace(d)
+    jax.block_until_ready(fn())
+    jax.profiler.stop_trace()
+    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    data = jax.profiler.ProfileData.from_file(files[0]) if files else None
+  total, gpus = 0, 0
+  for plane in data.planes if data else ():
+    if plane.name.startswith("/device:GPU"):
+      ns = sum(ev.duration_ns for line in plane.lines if line.name.startswith("Stream")
+               for ev in line.events)
+      total, gpus = total + ns, gpus + (ns > 0)
+  return total * 1e-9 / gpus if gpus else None
+
+
+def run_path(name: str, forward, params, tokens, cache, steps: int, repeats: int,
+             progress=None) -> dict:
+  """Compile, prefill `tokens [B, T]` (the numerics' teacher-forced logits), then `repeats`
+  timed rounds of `steps` greedy decode steps after a warm-up round (module docstring)."""
+  progress = progress or Quiet()
+  prefill, decode = step_fns(forward)
+  t = tokens.shape[1]
+  pos0 = jnp.int32(t)
   t0 = time.perf_counter()
-  prefill_c = prefill.lower(params, tokens, cache).compile()
-  decode_c = decode.lower(params, tokens[:, :1], cache, jnp.int32(t)).compile()
+  with progress.spin(f"compile {name}"):
+    prefill_c = prefill.lower(params, tokens, cache).compile()
+    tok_spec = jax.ShapeDtypeStruct((tokens.shape[0], 1), tokens.dtype)
+    decode_c = decode.lower(params, tok_spec, cache, pos0).compile()
   compile_s = time.perf_counter() - t0
+  progress.say(f"compiled {name} prefill + decode in {compile_s:.1f} s")
   counts = kernel_counts(decode_c.as_text())
 
   t0 = time.perf_counter()
-  logits, cache = jax.block_until_ready(prefill_c(params, tokens, cache))
+  logits, tok0, cache = jax.block_until_ready(prefill_c(params, tokens, cache))
   prefill_s = time.perf_counter() - t0
-  last = [np.asarray(logits[:, -1], np.float32)]
-  chosen, step_s = [], []
-  for i in range(steps):
-    nxt = (jnp.argmax(logits[:, -1], axis=-1) if forced is None
-           else jnp.asarray(forced[:, i])).astype(tokens.dtype)
-    chosen.append(np.asarray(nxt))
+  logits = np.asarray(logits, np.float32)
+
+  def round_(cache):
+    tok, pos = tok0, pos0
     t0 = time.perf_counter()
-    logits, cache = jax.block_until_ready(decode_c(params, nxt[:, None], cache,
-                                                   jnp.int32(t + i)))
-    step_s.append(time.perf_counter() - t0)
-    last.append(np.asarray(logits[:, -1], np.float32))
-    _progress(i + 1, steps, "fused" if fused else "unfused")
-  decode_s = float(np.median(step_s)) if step_s else float("nan")
-  return dict(fused=fused, compile_s=compile_s, prefill_ms=prefill_s * 1e3,
-              decode_ms=decode_s * 1e3, tokens_per_s=b / decode_s if step_s else None,
-              kernels=counts, logits=np.stack(last, 1), tokens=np.stack(chosen, 1) if chosen
-              else np.zeros((b, 0), np.int32))
+    for _ in range(steps):
+      tok, cache, pos = decode_c(params, tok, cache, pos)
+    t1 = time.perf_counter()
+    jax.block_until_ready((tok, cache))
+    return (time.perf_counter() - t0) / steps, (t1 - t0) / steps, tok, cache
+
+  *_, cache = round_(cache)  # warm-up
+  step_s, enqueue_s = [], []
+  with progress.bar(f"decode {name}", repeats) as advance:
+    for _ in range(repeats):
+      s, e, last, cache = round_(cache)
+      step_s.append(s)
+      enqueue_s.append(e)
+      advance()
+  holder = [cache]
+
+  def traced():
+    *_, holder[0] = round_(holder[0])
+    return holder[0]
+
+  dev = device_seconds(traced) if jax.devices()[0].platform == "gpu" else None
+  p10, med, p90 = np.percentile(step_s, [10, 50, 90])
+  b = tokens.shape[0]
+  return dict(compile_s=compile_s, prefill_ms=prefill_s * 1e3, step_ms=med * 1e3,
+              step_ms_p10=p10 * 1e3, step_ms_p90=p90 * 1e3,
+              enqueue_ms=float(np.median(enqueue_s)) * 1e3,
+              device_ms=dev and dev / steps * 1e3, tokens_per_s=b / med, kernels=counts,
+              logits=logits, last_tokens=np.asarray(last))
 
 
-def agreement(a: np.ndarray, b: np.ndarray) -> dict:
-  """Top-1 agreement and KL(a || b) (nats per position) of two logit sets `[B, S, V]`."""
-  top1 = float(np.mean(a.argmax(-1) == b.argmax(-1)))
-  la = a - a.max(-1, keepdims=True)
-  la = la - np.log(np.exp(la).sum(-1, keepdims=True))
-  lb = b - b.max(-1, keepdims=True)
-  lb = lb - np.log(np.exp(lb).sum(-1, keepdims=True))
-  kl = float(np.mean(np.sum(np.exp(la) * (la - lb), -1)))
-  return dict(top1=top1, kl=kl, max_abs_diff=float(np.abs(a - b).max()))
+class Quiet:
+  """The progress reporter `run` takes, silent: `say(line)`, `spin(label)` around a phase of
+  unknown length, `bar(label, total)` yielding `advance()`."""
+
+  def say(self, msg: str) -> None:
+    pass
+
+  @contextlib.contextmanager
+  def spin(self, label: str):
+    yield
+
+  @contextlib.contextmanager
+  def bar(self, label: str, total: int):
+    yield lambda: None
 
 
-def run(preset=None, checkpoint=None, *, batch=2, prompt_len=16, steps=8, tp=1, compare=True,
-        fp8=True, seed=0) -> dict:
-  built = build(preset, checkpoint, fp8=fp8, tp=tp, seed=seed)
-  vocab = built.model.cfg.vocab_size
-  tokens = jax.random.randint(jax.random.key(seed + 1), (batch, prompt_len), 0, vocab, jnp.int32)
-  fused = run_one(built, True, tokens, steps, tp)
+def agreement(ref: np.ndarray, got: np.ndarray) -> dict:
+  """Top-1 agreement and KL(ref || got) (nats, mean per position) of two logit sets
+  `[..., V]`."""
+  top1 = float(np.mean(ref.argmax(-1) == got.argmax(-1)))
+  lr = ref - ref.max(-1, keepdims=True)
+  lr = lr - np.log(np.exp(lr).sum(-1, keepdims=True))
+  lg = got - got.max(-1, keepdims=True)
+  lg = lg - np.log(np.exp(lg).sum(-1, keepdims=True))
+  kl = float(np.mean(np.sum(np.exp(lr) * (lr - lg), -1)))
+  return dict(top1=top1, kl=kl, max_abs_diff=float(np.abs(ref - got).max()))
+
+
+def run(preset=None, checkpoint=None, *, batch=2, prompt_len=16, steps=32, repeats=20, tp=1,
+        paths: Sequence[str] = PATHS, seed=0, progress=None) -> dict:
+  """Every path of `paths` on one set of weights (module docstring); `progress`: a `Quiet`
+  (the default) or the CLI's reporter."""
+  progress = progress or Quiet()
+  t0 = time.perf_counter()
+  with progress.spin("build"):
+    built = build(preset, checkpoint, fp8="bf16" not in paths, tp=tp, seed=seed)
+    models = {"bf16": lambda: built.make(False, fp8=False),
+              "unfused": lambda: built.make(False, fp8=True),
+              "fused": lambda: built.make(True, fp8=True)}
+    models = {p: models[p]() for p in paths}
+  progress.say(f"built {preset or checkpoint} ({built.layers} layers) in {time.perf_counter() - t0:.1f} s")
+  cfg = next(iter(models.values())).cfg
+  tokens = jax.random.randint(jax.random.key(seed + 1), (batch, prompt_len), 0, cfg.vocab_size,
+                              jnp.int32)
   result = dict(model=preset or checkpoint, platform=jax.devices()[0].platform,
                 device=jax.devices()[0].device_kind, tp=tp, batch=batch, prompt_len=prompt_len,
-                steps=steps, layers=built.layers, fused=fused)
+                steps=steps, repeats=repeats, layers=built.layers, paths={})
+  fp8_params = None  # the fused and unfused paths share one placed copy of the FP8 weights
+  for name, model in models.items():
+    forward, params = forward_fn(model, tp)
+    if name != "bf16":
+      fp8_params = params = fp8_params or params
+    cache = new_cache(model, batch, prompt_len + steps)
+    progress.say(f"{name}: prefill {batch} x {prompt_len} tokens, then {repeats} rounds of {steps} "
+        f"decode steps")
+    result["paths"][name] = run_path(name, forward, params, tokens, cache, steps, repeats,
+                                     progress)
+    del forward, params, cache
   if tp > 1:
     from jfusedq import parallel
-    h = built.model.cfg.hidden_size
+    h = cfg.hidden_size
     spec = jax.ShapeDtypeStruct((batch, 1, h), jnp.bfloat16)
     result["allreduce_strategy"] = parallel.chosen_strategy(
         spec, jax.ShapeDtypeStruct((h,), jnp.bfloat16), residual=spec,
         fmt=default_format(), keep_bf16=True)
-  if compare:
-    # The unfused run is fed the fused run's tokens, so every position is compared.
-    unfused = run_one(built, False, tokens, steps, tp, forced=fused["tokens"])
-    result["unfused"] = unfused
-    result["agreement"] = agreement(fused["logits"], unfused["logits"])
-    result["kernels_saved_per_layer"] = (unfused["kernels"]["total"] -
-                                         fused["kernels"]["total"]) / built.layers
+  runs = result["paths"]
+  expected = EXPECTED.get(preset, {}) if not checkpoint else {}
+  result["numerics"] = {f"{a} -> {b}": dict(agreement(runs[a]["logits"], runs[b]["logits"]),
+                                            expected=expected.get((a, b)))
+                        for a, b in PAIRS if a in runs and b in runs}
+  result["ratios"] = {}
+  for num, den in (("fused", "bf16"), ("unfused", "bf16"), ("fused", "unfused")):
+    if num in runs and den in runs:
+      n, d = runs[num], runs[den]
+      result["ratios"][f"{num}/{den}"] = dict(
+          ratio=n["step_ms"] / d["step_ms"],
+          within_noise=bool(n["step_ms_p10"] <= d["step_ms_p90"]
+                            and d["step_ms_p10"] <= n["step_ms_p90"]))
+  if "fused" in runs and "unfused" in runs:
+    result["kernels_saved_per_layer"] = (runs["unfused"]["kernels"]["total"] -
+                                         runs["fused"]["kernels"]["total"]) / built.layers
   return result
 
 
+def _range(v: float, lo: float, hi: float, fmt: str) -> str:
+  inside = "" if lo <= v <= hi else ", OUTSIDE"
+  return f"expected {format(lo, fmt)}-{format(hi, fmt)}{inside}"
+
+
 def table(r: dict) -> str:
-  runs = [r["fused"]] + ([r["unfused"]] if "unfused" in r else [])
   lines = [f"{r['model']} on {r['platform']} ({r['device']}), tp={r['tp']}, batch {r['batch']},"
-           f" prompt {r['prompt_len']}, {r['steps']} decode steps, {r['layers']} layers"]
-  head = (f"{'path':>8} {'compile s':>9} {'prefill ms':>10} {'decode ms':>9} {'tok/s':>8} "
-          f"{'kernels/step':>12} {'fusion':>6} {'custom':>6} {'coll':>4}")
+           f" prompt {r['prompt_len']}, {r['layers']} layers; decode: {r['repeats']} rounds of"
+           f" {r['steps']} steps after a warm-up round"]
+  if r["platform"] == "cpu":
+    lines.append("CPU: these are XLA:CPU wall times of a host-bound program, NOT kernel speeds "
+                 "(kernel times come from a GPU run)")
+  head = (f"{'path':>8} {'compile s':>9} {'prefill ms':>10} {'ms/step':>8} {'p10-p90':>15} "
+          f"{'host ms/step':>12} {'device ms/step':>14} {'tok/s':>8} {'kernels/step':>12} "
+          f"{'fusion':>6} {'custom':>6} {'coll':>4} {'other':>5}")
   lines += [head, "-" * len(head)]
-  for x in runs:
+  for name, x in r["paths"].items():
     k = x["kernels"]
-    lines.append(f"{'fused' if x['fused'] else 'unfused':>8} {x['compile_s']:9.2f} "
-                 f"{x['prefill_ms']:10.2f} {x['decode_ms']:9.2f} {x['tokens_per_s'] or 0:8.1f} "
-                 f"{k['total']:12d} {k['fusion']:6d} {k['custom-call']:6d} {k['collective']:4d}")
-  if "agreement" in r:
-    a = r["agreement"]
+    dev = "n/a" if x["device_ms"] is None else f"{x['device_ms']:.3f}"
+    spread = f"{x['step_ms_p10']:.3f}-{x['step_ms_p90']:.3f}"
+    lines.append(f"{name:>8} {x['compile_s']:9.2f} {x['prefill_ms']:10.2f} {x['step_ms']:8.3f} "
+                 f"{spread:>15} {x['enqueue_ms']:12.3f} {dev:>14} {x['tokens_per_s']:8.1f} "
+                 f"{k['total']:12d} {k['fusion']:6d} {k['custom-call']:6d} {k['collective']:4d} "
+                 f"{k['other']:5d}")
+  for key, v in r["ratios"].items():
+    noise = " (within noise: the p10-p90 spreads overlap)" if v["within_noise"] else ""
+    lines.append(f"step time {key}: {v['ratio']:.3f}x{noise}")
+  if "kernels_saved_per_layer" in r:
     lines.append(f"kernels per layer saved by the fused path: {r['kernels_saved_per_layer']:+.2f}")
-    lines.append(f"fused vs unfused logits: top-1 agreement {a['top1']:.3f}, KL {a['kl']:.2e} "
-                 f"nats, max |diff| {a['max_abs_diff']:.3g}")
+  if r["numerics"]:
+    n = r["batch"] * r["prompt_len"]
+    lines.append(f"numerics, teacher-forced over {n} positions of one fixed token sequence "
+                 f"(reference -> path):")
+  for key, a in r["numerics"].items():
+    e = a["expected"]
+    kl_e = f" ({_range(a['kl'], e[0], e[1], '.2e')})" if e else " (no measured range)"
+    top_e = f" ({_range(a['top1'], e[2], e[3], '.3f')})" if e else ""
+    lines.append(f"  {key:>16}: KL {a['kl']:.2e} nats{kl_e}, top-1 {a['top1']:.3f}{top_e}")
   if "allreduce_strategy" in r:
     lines.append(f"all-reduce strategy at prepare_attn: {r['allreduce_strategy']}")
   return "\n".join(lines)
 
 
 def to_json(r: dict) -> dict:
-  """`r` without the raw logits and tokens."""
-  drop = ("logits", "tokens")
-  return {k: ({kk: vv for kk, vv in v.items() if kk not in drop} if isinstance(v, dict) else v)
-          for k, v in r.items()}
+  """`r` without the raw logits and tokens; numerics pairs' expected ranges as lists."""
+  out = dict(r, paths={k: {kk: vv for kk, vv in v.items() if kk not in ("logits", "last_tokens")}
+                       for k, v in r["paths"].items()})
+  return out
