@@ -7,8 +7,8 @@ between kernels (`idle_us`, `top_gaps`) and any host time the launch queue does 
 (`dispatch_us`: host time to enqueue a step onto an idle device; `enqueue_us`: the same within
 the 32, where a full launch queue can hold the host back). Kernels per step counted from the
 compiled HLO; `graph_launches`: the CUDA graphs XLA launched for a step (one when every kernel
-is captured; until session 11 each jax-triton kernel was launched by the host between
-graphs, NOTES.md sessions 7 and 11).
+is captured: a kernel XLA cannot capture, as jax-triton's were, is launched by the host
+between graphs, which cost 277-1455 us of idle GPU a step on the H200).
 
 Floor = bytes a step must read, per device, / copy bandwidth. A step reads every weight once
 (`step_bytes`), except:
@@ -157,7 +157,7 @@ def run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, ref_logits,
     # compiled in as constants. The cache and tokens are placed as a serving loop has
     # them, the cache as the step returns it: a fresh one, on one device, made every
     # step of --tp copy each shard to its device first (MemcpyP2P, and the host waiting
-    # for its peer at every copy: 3 ms a step in decode_tp2_steady.json).
+    # for its peer at every copy: 3 ms a step on two H200s).
     where = logits[fused].sharding  # replicated over the mesh under --tp
     where = (NamedSharding(where.mesh, P()) if isinstance(where, NamedSharding) else where)
 
