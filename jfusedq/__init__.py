@@ -1,5 +1,6 @@
 """jfusedq: fused RMSNorm + per-group FP8 quantisation (and friends) for FP8 LLM inference."""
 
+from jfusedq.errors import DTypeError, InputError, JfusedqError, debug_checks
 from jfusedq.fp8 import Fp8Format, QuantizedActivation, default_format
 from jfusedq.ops._dispatch import Unsupported, implementations
 from jfusedq.ops.fp8_matmul import fp8_matmul, grouped_fp8_matmul
@@ -12,7 +13,10 @@ from jfusedq.parallel import (allreduce_rmsnorm_quant, allreduce_rmsnorm_quant_s
 __version__ = "0.1.0"
 
 __all__ = [
+    "DTypeError",
     "Fp8Format",
+    "InputError",
+    "JfusedqError",
     "QuantizedActivation",
     "RmsNormOutput",
     "RmsNormQuantOutput",
@@ -20,6 +24,7 @@ __all__ = [
     "allreduce_rmsnorm_quant",
     "allreduce_rmsnorm_quant_sharded",
     "chosen_strategy",
+    "debug_checks",
     "default_format",
     "fp8_matmul",
     "group_quant",

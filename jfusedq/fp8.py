@@ -19,11 +19,15 @@ import numpy as np
 from jax import lax
 
 from jfusedq import _target
+from jfusedq.errors import DTypeError, InputError
 
 # DeepSeek-style block scaling: activations in 1 x BLOCK groups, weights in BLOCK x BLOCK blocks.
 BLOCK = 128
 # Smallest group amax a scale is taken from, so that an all-zero group gets a finite scale.
 AMAX_MIN = 1e-10
+# A group whose amax is above this (inf) or not comparable to it (NaN) held a non-finite value:
+# its scale is NaN, so that corrupt input stays visible instead of becoming plausible codes.
+F32_MAX = float(np.finfo(np.float32).max)
 
 E4M3FN = jnp.dtype(jnp.float8_e4m3fn)
 E4M3FNUZ = jnp.dtype(jnp.float8_e4m3fnuz)
@@ -46,9 +50,9 @@ class Fp8Format:
   def __post_init__(self):
     dtype = jnp.dtype(self.dtype)
     if dtype not in _FINITE_MAX:
-      raise ValueError(f"unsupported FP8 dtype {dtype}; expected float8_e4m3fn or float8_e4m3fnuz")
+      raise InputError(f"unsupported FP8 dtype {dtype}; expected float8_e4m3fn or float8_e4m3fnuz")
     if not 0.0 < float(self.max) <= _FINITE_MAX[dtype]:
-      raise ValueError(f"fp8_max={self.max} outside (0, {_FINITE_MAX[dtype]}] for {dtype}")
+      raise InputError(f"fp8_max={self.max} outside (0, {_FINITE_MAX[dtype]}] for {dtype}")
     object.__setattr__(self, "dtype", dtype)
     object.__setattr__(self, "max", float(self.max))
 
@@ -85,7 +89,7 @@ def resolve_format(fmt: Fp8Format | str | None) -> Fp8Format:
     return fmt
   if isinstance(fmt, str) and fmt.removeprefix("float8_") in ("e4m3fn", "e4m3fnuz"):
     return getattr(Fp8Format, fmt.removeprefix("float8_"))()
-  raise ValueError(f"fmt must be an Fp8Format, 'e4m3fn' or 'e4m3fnuz'; got {fmt!r}")
+  raise InputError(f"fmt must be an Fp8Format, 'e4m3fn' or 'e4m3fnuz'; got {fmt!r}")
 
 
 def encode_e4m3fnuz(y: jax.Array) -> jax.Array:
@@ -146,9 +150,9 @@ class QuantizedActivation:
 
   def __post_init__(self):
     if self.layout not in ("row", "col"):
-      raise ValueError(f"layout must be 'row' or 'col', got {self.layout!r}")
+      raise InputError(f"layout must be 'row' or 'col', got {self.layout!r}")
     if not isinstance(self.group_size, int) or self.group_size <= 0:
-      raise ValueError(f"group_size must be a positive int, got {self.group_size!r}")
+      raise InputError(f"group_size must be a positive int, got {self.group_size!r}")
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -195,18 +199,18 @@ class QuantizedActivation:
   def validate(self) -> None:
     """Raises if q, scale and hp do not fit the recorded group size and layout."""
     if jnp.dtype(self.q.dtype) not in _FINITE_MAX:
-      raise TypeError(f"q must be float8_e4m3fn or float8_e4m3fnuz, got {self.q.dtype}")
+      raise DTypeError(f"q must be float8_e4m3fn or float8_e4m3fnuz, got {self.q.dtype}")
     if self.scale.dtype != jnp.float32:
-      raise TypeError(f"scale must be float32, got {self.scale.dtype}")
+      raise DTypeError(f"scale must be float32, got {self.scale.dtype}")
     *lead, k = self.q.shape
     groups = -(-k // self.group_size)
     want = (*lead, groups) if self.layout == "row" else (groups, *lead)
     if tuple(self.scale.shape) != want:
-      raise ValueError(f"scale shape {tuple(self.scale.shape)} does not match q "
+      raise InputError(f"scale shape {tuple(self.scale.shape)} does not match q "
                        f"{tuple(self.q.shape)}"
                        f" with group_size={self.group_size}, layout={self.layout!r}: want {want}")
     if self.hp is not None and tuple(self.hp.shape) != tuple(self.q.shape):
-      raise ValueError(f"hp shape {tuple(self.hp.shape)} differs from q {tuple(self.q.shape)}")
+      raise InputError(f"hp shape {tuple(self.hp.shape)} differs from q {tuple(self.q.shape)}")
 
 
 jax.tree_util.register_dataclass(

@@ -6,12 +6,30 @@ import math
 
 import jax.numpy as jnp
 
+from jfusedq.errors import DTypeError, InputError
+
 FLOAT_INPUTS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def check_float(name: str, x) -> None:
   if jnp.dtype(x.dtype) not in FLOAT_INPUTS:
-    raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
+    raise DTypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
+
+
+def check_array(name: str, x) -> None:
+  """`x` is an array (jax, numpy or a tracer), not a list or a scalar."""
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise InputError(f"{name} must be an array, got {type(x).__name__}")
+
+
+def check_last_axis(name: str, x, what: str) -> None:
+  """`x [..., K]` has a last axis of at least one element (`what` names it). Leading sizes may
+  be 0: the result is then empty, of the matching shape."""
+  if x.ndim < 1:
+    raise InputError(f"{name} must have at least one dimension ({what}), got a scalar")
+  if x.shape[-1] == 0:
+    raise InputError(f"{name} has an empty {what} (shape {tuple(x.shape)}): it needs >= 1 "
+                     f"element")
 
 
 def is_pow2(v) -> bool:
@@ -31,13 +49,13 @@ def pow2_divisor(n: int) -> int:
 def check_group_size(group_size) -> None:
   # Kernels tile rows in power-of-two arrays, so a group must be one to divide the tile.
   if not is_pow2(group_size) or group_size < 8:
-    raise ValueError(f"group_size must be a power of two >= 8 (64 and 128 are used), got "
+    raise InputError(f"group_size must be a power of two >= 8 (64 and 128 are used), got "
                      f"{group_size!r}")
 
 
 def check_layout(layout) -> None:
   if layout not in ("row", "col"):
-    raise ValueError(f"scale layout must be 'row' or 'col', got {layout!r}")
+    raise InputError(f"layout must be 'row' or 'col', got {layout!r}")
 
 
 def num_groups(k: int, group_size: int) -> int:

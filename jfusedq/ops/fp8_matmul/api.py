@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jfusedq import _target
+from jfusedq.errors import DTypeError, InputError
 from jfusedq.fp8 import BLOCK, E4M3FN, E4M3FNUZ, Fp8Format, QuantizedActivation
 from jfusedq.ops import _common
 from jfusedq.ops import _dispatch
@@ -118,15 +119,16 @@ def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
   n, k = _check_weight(weight, weight_scale, stacked=True)
   e = weight.shape[0]
   if ids is not None and (ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer)):
-    raise ValueError(f"ids must be a [B] integer array, got {ids.dtype}{list(ids.shape)}")
+    raise InputError(f"ids must be a [B] integer array, got {ids.dtype}{list(ids.shape)}")
   b = e if ids is None else ids.shape[0]
   implementation = _dispatch.requested("grouped_fp8_matmul", implementation)
   qa = _quantized(a, weight, k, implementation)
   if qa.q.ndim < 2:
-    raise ValueError(f"a must be [G, ..., K], got shape {qa.q.shape}")
+    raise InputError(f"a must be [G, ..., K], got shape {qa.q.shape}")
   g, *lead, _ = qa.q.shape
   if g == 0 or b % g:
-    raise ValueError(f"{g} activation groups do not divide {b} products")
+    raise InputError(f"a has {g} activation groups, which do not divide the {b} products (ids "
+                     f"or the experts)")
   m = math.prod(lead)
   a3 = qa.with_layout("row").unflatten((g, m))
   q3, s3 = a3.q, a3.scale
@@ -168,17 +170,21 @@ def _check_kernel(weight, config, kernels) -> None:
 
 
 def _check_weight(weight, weight_scale, stacked: bool = False) -> tuple[int, int]:
+  _common.check_array("weight", weight)
+  _common.check_array("weight_scale", weight_scale)
   if weight.ndim != 2 + stacked:
-    raise ValueError(f"weight must be {'[E, N, K]' if stacked else '[N, K]'}, got shape "
+    raise InputError(f"weight must be {'[E, N, K]' if stacked else '[N, K]'}, got shape "
                      f"{weight.shape}")
   if jnp.dtype(weight.dtype) not in (E4M3FN, E4M3FNUZ):
-    raise TypeError(f"weight must be float8_e4m3fn or float8_e4m3fnuz, got {weight.dtype}")
+    raise DTypeError(f"weight must be float8_e4m3fn or float8_e4m3fnuz, got {weight.dtype}")
   *lead, n, k = weight.shape
+  if n == 0 or k == 0:
+    raise InputError(f"weight has an empty axis (shape {tuple(weight.shape)}): N and K need >= 1")
   want = (*lead, -(-n // BLOCK), -(-k // BLOCK))
   if weight_scale.dtype != jnp.float32:
-    raise TypeError(f"weight_scale must be float32, got {weight_scale.dtype}")
+    raise DTypeError(f"weight_scale must be float32, got {weight_scale.dtype}")
   if tuple(weight_scale.shape) != want:
-    raise ValueError(f"weight_scale shape {tuple(weight_scale.shape)} does not match weight "
+    raise InputError(f"weight_scale shape {tuple(weight_scale.shape)} does not match weight "
                      f"{tuple(weight.shape)} in {BLOCK}x{BLOCK} blocks: want {want}")
   return n, k
 
@@ -186,15 +192,17 @@ def _check_weight(weight, weight_scale, stacked: bool = False) -> tuple[int, int
 def _quantized(a, weight, k, implementation) -> QuantizedActivation:
   if isinstance(a, QuantizedActivation):
     a.validate()
+    _common.check_last_axis("a.q", a.q, "contracted axis K")
     if a.group_size != BLOCK:
-      raise ValueError(f"activation quantised with group_size={a.group_size}; the block-scaled "
-                       f"GEMM needs {BLOCK}")
+      raise InputError(f"a (a QuantizedActivation) is quantised with group_size="
+                       f"{a.group_size}; the block-scaled GEMM needs {BLOCK}")
     if a.q.dtype != weight.dtype:
-      raise TypeError(f"activation is {a.q.dtype} but the weight is {weight.dtype}")
+      raise DTypeError(f"a: activation is {a.q.dtype} but the weight is {weight.dtype}; "
+                       f"the codes must be in the weight's format")
   else:
+    _common.check_array("a", a)
     _common.check_float("a", a)
-    if a.ndim < 1:
-      raise ValueError("a must have at least one dimension (K)")
+    _common.check_last_axis("a", a, "contracted axis K")
     # The GEMM's backend choice carries to its quantisation step, which may still fall back
     # to XLA for a width its kernel cannot tile (the GEMM itself takes any K). Mosaic GPU has
     # no quantisation kernel: Pallas quantises for it.
@@ -206,7 +214,7 @@ def _quantized(a, weight, k, implementation) -> QuantizedActivation:
     a = group_quant(a, group_size=BLOCK, fmt=activation_format(weight.dtype),
                     implementation=implementation)
   if a.q.shape[-1] != k:
-    raise ValueError(f"activation K = {a.q.shape[-1]} does not match the weight's K = {k}")
+    raise InputError(f"a has K = {a.q.shape[-1]}, which does not match the weight's K = {k}")
   return a
 
 

@@ -21,10 +21,12 @@ def group_quant(x: jax.Array, *, group_size: int = BLOCK, fmt: Fp8Format | str |
   """Quantise `x [..., K]` to FP8 in groups of `group_size` consecutive columns.
 
   Steps, per row and group: amax = max(max|x|, 1e-10); scale = amax / fp8_max (UE8M0: next
-  power of two); q = fp8(clamp(x / scale, +-fp8_max)).
+  power of two); q = fp8(clamp(x / scale, +-fp8_max)). A group holding a NaN or +-inf gets
+  scale NaN and NaN codes, in every implementation, so corrupt input stays visible.
 
   Args:
-    x: `[..., K]` bf16, f16 or f32; any K (a last partial group uses its real columns).
+    x: `[..., K]` bf16, f16 or f32; any K >= 1 (a last partial group uses its real columns);
+      leading sizes of 0 give an empty result.
     group_size: columns per scale (power of two; 128 for DeepSeek-style GEMMs).
     fmt: FP8 format; default: the current device's native one.
     layout: "row" -> scale `[..., G]`; "col" -> scale `[G, ...]` (G = ceil(K/group_size)).
@@ -35,11 +37,11 @@ def group_quant(x: jax.Array, *, group_size: int = BLOCK, fmt: Fp8Format | str |
   Returns:
     QuantizedActivation(q [..., K] fp8, scale f32), recording group_size and layout.
   """
+  _common.check_array("x", x)
   _common.check_float("x", x)
+  _common.check_last_axis("x", x, "quantised axis K")
   _common.check_group_size(group_size)
   _common.check_layout(layout)
-  if x.ndim < 1:
-    raise ValueError("x must have at least one dimension (the quantised axis)")
   fmt = resolve_format(fmt)
 
   def xla():

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jfusedq import _target
-from jfusedq.fp8 import E4M3FNUZ, Fp8Format, encode_e4m3fnuz
+from jfusedq.fp8 import AMAX_MIN, E4M3FNUZ, F32_MAX, Fp8Format, encode_e4m3fnuz
 from jfusedq.ops import _common
 from jfusedq.ops._dispatch import Unsupported
 
@@ -99,8 +99,20 @@ def pow2_ceil_bits(s: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(up, jnp.float32)
 
 
+def _amax(y, axis: int, keepdims: bool = False):
+  """max |y| over `axis`, inf when y holds a NaN or inf: a GPU max may drop NaN, so NaN is
+  mapped to inf before reducing."""
+  a = jnp.abs(y)
+  return jnp.max(jnp.where(a <= F32_MAX, a, jnp.inf), axis=axis, keepdims=keepdims)
+
+
 def _scale(amax, fmt: Fp8Format, ue8m0: bool):
-  amax = jnp.maximum(amax, 1e-10)
+  """The group scale; NaN for a group that held a NaN or inf (amax inf)."""
+  return jnp.where(amax <= F32_MAX, _finite_scale(jnp.maximum(amax, AMAX_MIN), fmt, ue8m0),
+                   jnp.nan)
+
+
+def _finite_scale(amax, fmt: Fp8Format, ue8m0: bool):
   scale = amax / fmt.max
   if not ue8m0:
     return scale
@@ -113,7 +125,8 @@ def _scale(amax, fmt: Fp8Format, ue8m0: bool):
 
 
 def _encode(y, scale, fmt: Fp8Format):
-  q = jnp.clip(y * (1.0 / scale), -fmt.max, fmt.max)
+  # A GPU clamp may turn NaN into a bound: a NaN scale's codes are set NaN after it.
+  q = jnp.where(scale == scale, jnp.clip(y * (1.0 / scale), -fmt.max, fmt.max), jnp.nan)
   return encode_e4m3fnuz(q) if fmt.dtype == E4M3FNUZ else q.astype(fmt.dtype)
 
 
@@ -129,15 +142,14 @@ def quantize_chunks(ys: list[jax.Array], fmt: Fp8Format, group_size: int, ue8m0:
     per = c // group_size
     for j, y in enumerate(ys):
       g = y.reshape(rows, per, group_size)
-      s = _scale(jnp.max(jnp.abs(g), axis=-1), fmt, ue8m0)
+      s = _scale(_amax(g, -1), fmt, ue8m0)
       codes.append(_encode(g, s[:, :, None], fmt).reshape(rows, c))
       scales.append((j * per, s))
   else:
     span = group_size // c
     for first in range(0, len(ys), span):
       members = ys[first:first + span]
-      amax = functools.reduce(jnp.maximum,
-                              [jnp.max(jnp.abs(y), axis=1, keepdims=True) for y in members])
+      amax = functools.reduce(jnp.maximum, [_amax(y, 1, keepdims=True) for y in members])
       s = _scale(amax, fmt, ue8m0)
       codes += [_encode(y, s, fmt) for y in members]
       scales.append((first // span, s))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jfusedq.fp8 import AMAX_MIN, BLOCK, Fp8Format, QuantizedActivation, keep_codes
+from jfusedq.fp8 import AMAX_MIN, BLOCK, F32_MAX, Fp8Format, QuantizedActivation, keep_codes
 
 
 def pow2_ceil(s: jax.Array) -> jax.Array:
@@ -20,17 +20,18 @@ def group_quant(y: jax.Array, fmt: Fp8Format, *, group_size: int = BLOCK, layout
 
   For each group: `amax = max(max|y|, 1e-10)`, `scale = amax / fp8_max` (rounded up to a power
   of two if `ue8m0`), `q = fp8(clamp(y * (1/scale), -fp8_max, fp8_max))`. A last partial group
-  covers its real columns only.
+  covers its real columns only. A group holding a NaN or +-inf gets scale NaN, hence NaN codes.
   """
   y = y.astype(jnp.float32)
   *lead, k = y.shape
   groups = -(-k // group_size)
   pad = groups * group_size - k
   yg = jnp.pad(y, [(0, 0)] * len(lead) + [(0, pad)]).reshape(*lead, groups, group_size)
-  amax = jnp.maximum(jnp.max(jnp.abs(yg), axis=-1), AMAX_MIN)
-  scale = amax / fmt.max
+  amax = jnp.max(jnp.abs(yg), axis=-1)
+  scale = jnp.maximum(amax, AMAX_MIN) / fmt.max
   if ue8m0:
     scale = pow2_ceil(scale)
+  scale = jnp.where(amax <= F32_MAX, scale, jnp.nan)
   q = jnp.clip(yg * (1.0 / scale)[..., None], -fmt.max, fmt.max)
   q = keep_codes(q.reshape(*lead, groups * group_size)[..., :k].astype(fmt.dtype))
   if layout == "col":

@@ -96,16 +96,22 @@ def store_quant(y, r, rows, offs, mask, q_ptr, s_ptr, K: tl.constexpr, G: tl.con
   R: tl.constexpr = y.shape[0]
   W: tl.constexpr = y.shape[1]
   yg = tl.reshape(y, (R, W // G, G))
-  amax = tl.maximum(tl.max(tl.abs(yg), axis=2), 1e-10)
-  scale = amax * INV_MAX
+  # A group holding a NaN or inf gets scale NaN and NaN codes (as the reference): NaN is mapped
+  # to inf before the max, which may drop NaN; 3.4028234663852886e38 is the f32 maximum.
+  a = tl.abs(yg)
+  amax = tl.max(tl.where(a <= 3.4028234663852886e38, a, float("inf")), axis=2)
+  finite = amax <= 3.4028234663852886e38
+  scale = tl.maximum(amax, 1e-10) * INV_MAX
   if UE8M0:
     # Next power of two of a positive normal f32: clear the mantissa, bump the exponent.
     bits = scale.to(tl.int32, bitcast=True)
     bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + (1 << 23), bits)
     scale = bits.to(tl.float32, bitcast=True)
   # IEEE division, as XLA's: Triton's `/` is approximate and would move codes at midpoints.
+  scale = tl.where(finite, scale, amax - amax)  # inf - inf: NaN
   inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-  q = tl.reshape(tl.minimum(tl.maximum(yg * inv[:, :, None], -FP8_MAX), FP8_MAX), (R, W))
+  q = tl.minimum(tl.maximum(yg * inv[:, :, None], -FP8_MAX), FP8_MAX)
+  q = tl.reshape(tl.where(finite[:, :, None], q, inv[:, :, None]), (R, W))
   if FNUZ_BITS:
     codes = encode_fnuz(q)
   else:

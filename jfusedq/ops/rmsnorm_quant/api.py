@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import jax
 
+from jfusedq.errors import DTypeError, InputError
 from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.ops import _common
 from jfusedq.ops._dispatch import declare, dispatch
@@ -39,7 +40,10 @@ def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None
        (DeepSeek MLA: q_a_layernorm quantised + kv_a_layernorm bf16 in one launch).
 
   Args:
-    x: `[..., H]` bf16/f16/f32, any H.
+    x: `[..., H]` bf16/f16/f32, any H >= 1; leading sizes of 0 give empty outputs. A row
+      holding a NaN or +-inf (or whose residual sum overflows x.dtype to inf) gets every scale
+      NaN and NaN codes (hp and norm NaN), in every implementation; finite rows up to the
+      dtype's maximum normalise without overflow.
     weight: `[H]`.
     residual: optional `[..., H]`, same dtype as x.
     weight_offset: 0 for `y * w` (DeepSeek), 1 for `y * (1 + w)` (Qwen3.5 zero-centred norms).
@@ -52,8 +56,8 @@ def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None
   Returns:
     RmsNormQuantOutput(quant, residual, norm2); residual / norm2 are None when not asked for.
   """
-  fmt = resolve_format(fmt)
   check_inputs(x, weight, residual, group_size, layout, x2, weight2)
+  fmt = resolve_format(fmt)
   eps2 = eps if eps2 is None else eps2
   kw = dict(residual=residual, eps=float(eps), weight_offset=float(weight_offset), fmt=fmt,
             group_size=group_size, layout=layout, ue8m0=ue8m0, keep_hp=keep_hp, x2=x2,
@@ -79,26 +83,34 @@ def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None
 
 
 def check_inputs(x, weight, residual, group_size, layout, x2, weight2) -> None:
+  for name, a in (("x", x), ("weight", weight), ("residual", residual), ("x2", x2),
+                  ("weight2", weight2)):
+    if a is not None:
+      _common.check_array(name, a)
   _common.check_float("x", x)
+  _common.check_last_axis("x", x, "hidden axis H")
   _common.check_group_size(group_size)
   _common.check_layout(layout)
-  if x.ndim < 1:
-    raise ValueError("x must have at least one dimension (the hidden axis)")
   if weight.shape != x.shape[-1:]:
-    raise ValueError(f"weight shape {weight.shape} does not match x's hidden size {x.shape[-1]}")
+    raise InputError(f"weight shape {tuple(weight.shape)} does not match x's hidden size "
+                     f"{x.shape[-1]}: want ({x.shape[-1]},)")
   _common.check_float("weight", weight)
   if residual is not None:
     if residual.shape != x.shape:
-      raise ValueError(f"residual shape {residual.shape} differs from x shape {x.shape}")
+      raise InputError(f"residual shape {tuple(residual.shape)} differs from x shape "
+                       f"{tuple(x.shape)}")
     if residual.dtype != x.dtype:
-      raise TypeError(f"residual dtype {residual.dtype} differs from x dtype {x.dtype}")
+      raise DTypeError(f"residual dtype {residual.dtype} differs from x dtype {x.dtype}")
   if (x2 is None) != (weight2 is None):
-    raise ValueError("x2 and weight2 must be given together")
+    raise InputError("x2 and weight2 must be given together, got "
+                     f"{'x2' if weight2 is None else 'weight2'} alone")
   if x2 is not None:
     _common.check_float("x2", x2)
     _common.check_float("weight2", weight2)
+    _common.check_last_axis("x2", x2, "hidden axis H2")
     if x2.shape[:-1] != x.shape[:-1]:
-      raise ValueError(f"x2 leading shape {x2.shape[:-1]} differs from x's {x.shape[:-1]}")
+      raise InputError(f"x2 leading shape {tuple(x2.shape[:-1])} differs from x's "
+                       f"{tuple(x.shape[:-1])}")
     if weight2.shape != x2.shape[-1:]:
-      raise ValueError(f"weight2 shape {weight2.shape} does not match x2's hidden size "
+      raise InputError(f"weight2 shape {tuple(weight2.shape)} does not match x2's hidden size "
                        f"{x2.shape[-1]}")

@@ -16,13 +16,17 @@ from jax.experimental import pallas as pl
 from jfusedq import _target
 from jfusedq.fp8 import Fp8Format
 from jfusedq.ops.group_quant import pallas as gq
+from jfusedq.ops.rmsnorm_quant.reference import RESCALE, safe_rsqrt
 
 
 def _normalise(hs: list, w_ref, k: int, eps: float, weight_offset: float) -> list:
-  """Chunks of h (f32) -> chunks of h * rsqrt(mean(h^2) + eps) * (w + offset)."""
+  """Chunks of h (f32) -> chunks of h * rsqrt(mean(h^2) + eps) * (w + offset), overflow-safe
+  and NaN for a row holding a NaN or inf (`reference.safe_rsqrt`)."""
   ss = sum(jnp.sum(h * h, axis=1, keepdims=True) for h in hs)
-  inv = lax.rsqrt(ss * (1.0 / k) + eps)
-  return [h * inv * (w[None, :] + weight_offset) for h, w in zip(hs, gq.load_chunks(w_ref, k))]
+  ss_rescaled = sum(jnp.sum(jnp.square(h * RESCALE), axis=1, keepdims=True) for h in hs)
+  c, inv = safe_rsqrt(ss * (1.0 / k), ss_rescaled * (1.0 / k), eps)
+  return [h * c * inv * (w[None, :] + weight_offset)
+          for h, w in zip(hs, gq.load_chunks(w_ref, k))]
 
 
 def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format | None, group_size,

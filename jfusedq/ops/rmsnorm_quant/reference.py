@@ -7,8 +7,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jfusedq.fp8 import Fp8Format, QuantizedActivation
+from jfusedq.fp8 import F32_MAX, Fp8Format, QuantizedActivation
 from jfusedq.ops.group_quant import reference as group_quant_ref
+
+# h * h overflows f32 from |h| ~ 1.8e19: a row whose mean square overflows is normalised from
+# h * RESCALE instead (exact, a power of two), whose squares stay finite up to the f32 maximum.
+RESCALE = 2.0**-80
 
 
 class RmsNormQuantOutput(NamedTuple):
@@ -29,10 +33,23 @@ def add_residual(x: jax.Array, residual: jax.Array) -> jax.Array:
 
 
 def rmsnorm(h: jax.Array, weight: jax.Array, eps: float, weight_offset: float) -> jax.Array:
-  """`h * rsqrt(mean(h^2) + eps) * (weight + weight_offset)`, in f32."""
+  """`h * rsqrt(mean(h^2) + eps) * (weight + weight_offset)`, in f32; a row holding a NaN or
+  +-inf is NaN throughout."""
   h = h.astype(jnp.float32)
-  inv = jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
-  return h * inv * (weight.astype(jnp.float32) + weight_offset)
+  ms = jnp.mean(h * h, axis=-1, keepdims=True)
+  c, inv = safe_rsqrt(ms, jnp.mean(jnp.square(h * RESCALE), axis=-1, keepdims=True), eps)
+  return h * c * inv * (weight.astype(jnp.float32) + weight_offset)
+
+
+def safe_rsqrt(ms, ms_rescaled, eps: float):
+  """(c, inv) with `h * c * inv = h * rsqrt(mean(h^2) + eps)` without overflow: c = 1 while
+  `ms` is finite, else RESCALE (then `ms_rescaled`, the mean square of h * RESCALE, is read);
+  inv is NaN when that too is not finite (h held a NaN or inf)."""
+  ok = ms <= F32_MAX
+  c = jnp.where(ok, 1.0, RESCALE)
+  ms = jnp.where(ok, ms, ms_rescaled)
+  inv = jax.lax.rsqrt(ms + eps * c * c)
+  return c, jnp.where(ms <= F32_MAX, inv, jnp.nan)
 
 
 def rmsnorm_quant(x, weight, *, residual=None, eps: float, weight_offset: float, fmt: Fp8Format,
