@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 
-import jax
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   g = parser.add_argument_group("several processes (jax.distributed)")
@@ -30,6 +28,7 @@ def initialize(args: argparse.Namespace) -> bool:
   devices of every process then form `jax.devices()`. Returns whether it did."""
   if args.coordinator is None and args.num_processes is None and args.process_id is None:
     return False
+  import jax  # here, not at the top: the CLI imports JAX only once its arguments are good
   jax.distributed.initialize(coordinator_address=args.coordinator,
                              num_processes=args.num_processes, process_id=args.process_id)
   return True
@@ -37,4 +36,5 @@ def initialize(args: argparse.Namespace) -> bool:
 
 def is_main() -> bool:
   """Whether this process prints and writes results (process 0; every process holds them)."""
+  import jax
   return jax.process_index() == 0

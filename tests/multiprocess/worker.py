@@ -12,6 +12,7 @@ one process of 8 devices builds the same meshes from two groups of 4.
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
 import sys
 import time
@@ -99,6 +100,41 @@ def allreduce(out: dict) -> None:
           (quant.q, quant.scale, res_out))
 
 
+def checkpoint(out: dict, where: str) -> None:
+  """A Llama f32 safetensors checkpoint (written by process 0), loaded by every process as FP8
+  (quantised on load) with TP 8; the safetensors bytes each process reads are counted."""
+  from jfusedq.checkpoint import SafetensorsFile
+  from models import registry
+  from models.common import tp_apply
+  from tests.models.test_llama import F32, TP, build, save_checkpoint
+
+  if distributed.is_main():
+    save_checkpoint(build(TP, **F32), where)
+  multihost_utils.sync_global_devices("checkpoint written")
+  # Bytes of the tensors the loader takes from the reader (each a memory-mapped view, read
+  # whole by the loader); membership tests, which Mapping answers through __getitem__, are not
+  # reads.
+  read = [0]
+  get, has = SafetensorsFile.__getitem__, SafetensorsFile.__contains__
+
+  def counted(self, name):
+    a = get(self, name)
+    read[0] += a.nbytes
+    return a
+
+  SafetensorsFile.__getitem__ = counted
+  SafetensorsFile.__contains__ = lambda self, name: name in self._entries
+  try:
+    model = registry.from_pretrained(where, fp8=True, tp_axis="tp")
+  finally:
+    SafetensorsFile.__getitem__, SafetensorsFile.__contains__ = get, has
+  tokens = np.random.default_rng(3).integers(0, TP.vocab_size, (BATCH, PROMPT), dtype=np.int32)
+  out["llama/prefill"] = gather(tp_apply(model, mesh((8,), ("tp",)))(tokens).logits)
+  f = SafetensorsFile(os.path.join(where, "model.safetensors"))
+  size = sum(f[k].nbytes for k in f)  # memory-mapped views: nothing is read
+  print(f"process {jax.process_index()}: read {read[0]} of the checkpoint's {size} tensor bytes")
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("out")
@@ -108,10 +144,11 @@ def main(argv=None) -> int:
   if jax.device_count() != 8:
     raise SystemExit(f"needs 8 devices in all, got {jax.device_count()}")
   out: dict = {}
-  for part in (allreduce, models):
+  for name, part in (("all-reduce", allreduce), ("models", models),
+                     ("checkpoint", lambda out: checkpoint(out, args.out + ".ckpt"))):
     t0 = time.perf_counter()
     part(out)
-    print(f"{part.__name__}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
   if distributed.is_main():
     with open(args.out, "wb") as f:
       pickle.dump(out, f)
