@@ -79,7 +79,7 @@ def demo(args) -> int:
     fn = jax.jit(lambda x, r, w, impl=impl: rmsnorm_quant(x, w, residual=r, implementation=impl))
     try:
       out = jax.block_until_ready(fn(x, residual, weight))
-    except Unsupported as e:  # e.g. triton without the triton package
+    except Unsupported as e:  # e.g. triton without a GPU
       print(f"  {impl:>6}: skipped ({e})")
       continue
     times = []
