@@ -44,11 +44,12 @@ def _positive(text: str) -> int:
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
-  """The library's errors about its input (a checkpoint's content, a file's format): reported
-  like bad arguments. Anything else is a bug and keeps its traceback."""
+  """The library's errors about its input (an argument, a checkpoint's content, a file's
+  format): reported like bad arguments. Anything else is a bug and keeps its traceback."""
+  from jfusedq import JfusedqError
   from jfusedq.checkpoint import CheckpointError
   from jfusedq.checkpoint.safetensors import SafetensorsError
-  return CheckpointError, SafetensorsError
+  return JfusedqError, CheckpointError, SafetensorsError
 
 
 def demo(args) -> int:
@@ -138,11 +139,12 @@ def _hf_config(args) -> dict:
 def _check_model(hf: dict, tp: int, where: str) -> None:
   """Supported model_type and heads that split over `tp` devices (the model's own check_tp, on
   the config alone: nothing is built)."""
+  from jfusedq import JfusedqError
   from models import registry
   try:
     fam = registry.family(hf.get("model_type"))
     fam.model.check_tp(types.SimpleNamespace(cfg=fam.config.from_hf(hf)), tp)
-  except ValueError as e:
+  except (ValueError, JfusedqError) as e:
     raise UsageError(f"{where}: {e}") from None
 
 

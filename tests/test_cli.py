@@ -242,3 +242,15 @@ def test_deep_presets_fit_one_h200(preset):
   shared = (1 + (not hf.get("tie_word_embeddings", False))) * hf["vocab_size"] * \
       hf["hidden_size"] * 2  # the bf16 embedding and head, one copy for every path
   assert hf["num_hidden_layers"] >= 24 and bf16 + fp8 - shared < 100e9
+
+
+def test_library_input_errors_are_one_line(monkeypatch, capsys):
+  """The library's own input errors (jfusedq.JfusedqError) end the same way as bad arguments."""
+  from jfusedq import InputError
+
+  def bad(*a, **kw):
+    raise InputError("prompt_len must be an int >= 1, got 0")
+  monkeypatch.setattr(runner, "run", bad)
+  assert main(["run", "--steps", "1"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == ["jfusedq: InputError: prompt_len must be an int >= 1, got 0"]
