@@ -1,5 +1,6 @@
 """One process of a multi-process run, or the whole run in one process: the models' prefill +
-decode step under tensor parallelism and every all-reduce strategy on a global 8-device mesh.
+decode step under tensor parallelism, every all-reduce strategy, and a checkpoint loaded for
+tensor parallelism, on a global 8-device mesh.
 
   python -m tests.multiprocess.worker OUT [--coordinator H:P --num-processes N --process-id I]
 
@@ -25,6 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models import distributed
+from models.common.sharding import place
 
 GROUPS = 2  # processes of the multi-process run (devices are grouped so in one process too)
 BATCH, PROMPT = 2, 8
@@ -37,12 +39,6 @@ def mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> jax.sharding.Mesh:
   devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
   order = np.array(devs, dtype=object).reshape(GROUPS, -1).T.reshape(-1)
   return jax.sharding.Mesh(order.reshape(shape), names)
-
-
-def place(a: np.ndarray, m: jax.sharding.Mesh, spec: P) -> jax.Array:
-  """A global array from a host value every process holds alike; each process supplies only
-  its devices' shards."""
-  return jax.make_array_from_callback(a.shape, NamedSharding(m, spec), lambda idx: a[idx])
 
 
 def gather(tree):
@@ -90,7 +86,8 @@ def allreduce(out: dict) -> None:
   res = rng.standard_normal((TOKENS, HIDDEN), np.float32).astype(jnp.bfloat16)
   w = (1 + 0.1 * rng.standard_normal(HIDDEN, np.float32)).astype(jnp.bfloat16)
   for sp in (False, True):
-    args = (place(xs, m, P("tp")), place(res, m, P("tp") if sp else P()), place(w, m, P()))
+    args = [place(a, NamedSharding(m, spec))
+            for a, spec in ((xs, P("tp")), (res, P("tp") if sp else P()), (w, P()))]
     for s in STRATEGIES:
       f = jax.jit(lambda x, r, w, s=s, sp=sp: allreduce_rmsnorm_quant_sharded(
           x, r, w, mesh=m, axis_name="tp", sequence_parallel=sp, strategy=s))
