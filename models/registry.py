@@ -4,12 +4,12 @@ random weights from a config (`build`) or a checkpoint (`from_pretrained`)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable
 
 from flax import nnx
 
+from jfusedq.checkpoint import ConfigError, read_config
 from models import deepseek_v3, llama, qwen3_5
 
 
@@ -36,8 +36,8 @@ MODEL_TYPES = {t: _FAMILIES[p] for p in _PACKAGES for t in p.MODEL_TYPES}
 
 def family(model_type: str | None) -> Family:
   if model_type not in MODEL_TYPES:
-    raise ValueError(f"model_type {model_type!r} is not supported (supported: "
-                     f"{sorted(MODEL_TYPES)})")
+    raise ConfigError(f"model_type {model_type!r} is not supported (supported: "
+                      f"{sorted(MODEL_TYPES)})")
   return MODEL_TYPES[model_type]
 
 
@@ -51,10 +51,9 @@ def build(hf: dict, *, seed: int = 0, **kw) -> nnx.Module:
 def from_pretrained(path: str | os.PathLike, **kw) -> nnx.Module:
   """A model from a Hugging Face checkpoint directory, by its config.json's `model_type`;
   `kw`: the package's `from_pretrained` keywords (fp8, fmt, fused, tp_axis, ...)."""
-  with open(os.path.join(path, "config.json")) as f:
-    model_type = json.load(f).get("model_type")
+  model_type = read_config(os.path.join(path, "config.json")).get("model_type")
   try:
     fam = family(model_type)
-  except ValueError as e:
-    raise ValueError(f"{path}: {e}") from None
+  except ConfigError as e:
+    raise ConfigError(f"{path}: {e}") from None
   return fam.from_pretrained(path, **kw)

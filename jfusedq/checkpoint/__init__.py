@@ -1,13 +1,14 @@
 """Hugging Face checkpoint loading: safetensors by name, FP8 block-scaled projections."""
 
-from jfusedq.checkpoint.checkpoint import (Checkpoint, CheckpointError, MissingTensorError,
-                                           TensorMismatchError)
+from jfusedq.checkpoint.checkpoint import (Checkpoint, CheckpointError, ConfigError,
+                                           MissingTensorError, TensorMismatchError, read_config)
 from jfusedq.checkpoint.linear import QuantConfig, load_array, load_linear
 from jfusedq.checkpoint.safetensors import SafetensorsError, SafetensorsFile, load_file, save_file
 
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "ConfigError",
     "MissingTensorError",
     "QuantConfig",
     "SafetensorsError",
@@ -16,5 +17,6 @@ __all__ = [
     "load_array",
     "load_file",
     "load_linear",
+    "read_config",
     "save_file",
 ]

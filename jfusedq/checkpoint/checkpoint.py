@@ -10,13 +10,18 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from jfusedq.checkpoint.safetensors import SafetensorsFile
+from jfusedq.errors import InputError, JfusedqError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-class CheckpointError(Exception):
+class CheckpointError(JfusedqError):
   """A checkpoint lacks something a model needs, or holds it in the wrong form."""
+
+
+class ConfigError(CheckpointError, InputError):
+  """config.json is missing, not JSON, lacks a key the model needs or names another model."""
 
 
 class MissingTensorError(CheckpointError, KeyError):
@@ -28,6 +33,22 @@ class MissingTensorError(CheckpointError, KeyError):
 
 class TensorMismatchError(CheckpointError, ValueError):
   """A tensor has the wrong shape or dtype."""
+
+
+def read_config(path: str | os.PathLike) -> dict:
+  """config.json at `path` as a dict. Raises ConfigError: missing, not JSON, not an object."""
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise ConfigError(f"{path} does not exist: a Hugging Face checkpoint directory holds a "
+                      f"config.json with the model's sizes")
+  with open(path) as f:
+    try:
+      cfg = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ConfigError(f"{path} is not valid JSON: {e}") from None
+  if not isinstance(cfg, dict):
+    raise ConfigError(f"{path} holds a JSON {type(cfg).__name__}, not an object")
+  return cfg
 
 
 class Checkpoint:
@@ -47,10 +68,8 @@ class Checkpoint:
       raise CheckpointError(f"checkpoint directory {self.path!r} does not exist")
     self.prefix = prefix
     cfg = os.path.join(self.path, "config.json")
-    self.config: dict = {}
-    if os.path.exists(cfg):
-      with open(cfg) as f:
-        self.config = json.load(f)
+    self.config: dict = read_config(cfg) if os.path.exists(cfg) else {}
+    self._read: set[str] = set()  # full names read by get(), shared by scope() views
     self._files: dict[str, SafetensorsFile] = {}
     index = os.path.join(self.path, INDEX)
     if os.path.exists(index):
@@ -130,7 +149,13 @@ class Checkpoint:
       if got_dtype not in allowed:
         raise TensorMismatchError(f"tensor {full!r} has dtype {got_dtype}, expected one of "
                                   f"{[str(d) for d in allowed]} ({self._where[full]})")
+    self._read.add(full)
     return self._file(self._where[full])[full]
+
+  def unread(self) -> list[str]:
+    """Names of the checkpoint (all prefixes) that no get() has read: after loading a model,
+    the tensors it does not use."""
+    return sorted(set(self._where) - self._read)
 
   def __getitem__(self, name: str) -> np.ndarray:
     return self.get(name)

@@ -113,8 +113,20 @@ def _read(ckpt: Checkpoint, module: str, k: int, n: int | None):
     want = (-(-w.shape[0] // BLOCK), -(-k // BLOCK))
     # DeepSeek stores f32 scales; some FP8 releases store bf16 / f16 ones.
     s = ckpt.get(f"{module}.weight_scale_inv", shape=want, dtype=FLOATS)
+    check_scales(ckpt.prefix + f"{module}.weight_scale_inv", s)
     return jnp.asarray(w), jnp.asarray(s).astype(jnp.float32)
   return jnp.asarray(w), None
+
+
+def check_scales(name: str, s) -> None:
+  """Weight scales multiply every code of their block: each must be finite and > 0."""
+  s = np.asarray(s, np.float32)
+  bad = ~(np.isfinite(s) & (s > 0))
+  if bad.any():
+    at = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise TensorMismatchError(f"tensor {name!r} holds {int(bad.sum())} scale(s) that are not "
+                              f"finite and > 0 (first at {list(at)}: {s[at]}); scales must be "
+                              f"finite and positive")
 
 
 def _dense(q, s) -> jax.Array:

@@ -8,11 +8,30 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jfusedq.errors import DTypeError, InputError
 from jfusedq.fp8 import Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.nn.weights import quantize_weight
 from jfusedq.ops.fp8_matmul import fp8_matmul, grouped_fp8_matmul
 
 _default_init = nnx.initializers.lecun_normal()
+
+
+def check_sizes(layer: str, **sizes) -> None:
+  """A layer's constructor sizes: ints >= 1."""
+  for name, v in sizes.items():
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+      raise InputError(f"{layer}: {name} must be an int >= 1, got {v!r}")
+
+
+def check_input(layer: str, x, features: int) -> None:
+  """A layer's input: a float array (or a QuantizedActivation) whose last axis is `features`."""
+  if not isinstance(x, QuantizedActivation):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise InputError(f"{layer}: x must be an array, got {type(x).__name__}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise DTypeError(f"{layer}: x must be floating point, got {x.dtype}")
+  if len(x.shape) < 1 or x.shape[-1] != features:
+    raise InputError(f"{layer}: x must be [..., {features}], got shape {tuple(x.shape)}")
 
 
 def _scaled_normal(key, shape, dtype):
@@ -24,7 +43,7 @@ def high_precision(x: jax.Array | QuantizedActivation) -> jax.Array:
   """The input a high-precision consumer reads: the array, or a quantised activation's `hp`."""
   if isinstance(x, QuantizedActivation):
     if x.hp is None:
-      raise ValueError("a high-precision projection got a QuantizedActivation without its "
+      raise InputError("x: a high-precision projection got a QuantizedActivation without its "
                        "high-precision copy (hp); produce it with keep_hp=True / keep_bf16=True")
     return x.hp
   return x
@@ -42,6 +61,7 @@ class Fp8Linear(nnx.Module):
   def __init__(self, in_features: int, out_features: int, *, fmt: Fp8Format | str | None = None,
                dtype=jnp.bfloat16, param_dtype=jnp.float32, kernel_init=_default_init,
                implementation: str | Sequence[str] | None = None, rngs: nnx.Rngs):
+    check_sizes("Fp8Linear", in_features=in_features, out_features=out_features)
     # Initialised in param_dtype, then quantised: the fp8 weight is what the layer holds.
     w = kernel_init(rngs.params(), (out_features, in_features), param_dtype)
     q, s = quantize_weight(w, resolve_format(fmt))
@@ -52,6 +72,7 @@ class Fp8Linear(nnx.Module):
     self.implementation = implementation
 
   def __call__(self, x: jax.Array | QuantizedActivation) -> jax.Array:
+    check_input("Fp8Linear", x, self.weight.shape[-1])
     return fp8_matmul(x, self.weight[...], self.weight_scale_inv[...], out_dtype=self.dtype,
                       implementation=self.implementation)
 
@@ -66,11 +87,13 @@ class Linear(nnx.Module):
   def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False,
                dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, kernel_init=_default_init,
                rngs: nnx.Rngs):
+    check_sizes("Linear", in_features=in_features, out_features=out_features)
     self.weight = nnx.Param(kernel_init(rngs.params(), (out_features, in_features), param_dtype))
     self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
     self.dtype = dtype
 
   def __call__(self, x: jax.Array | QuantizedActivation) -> jax.Array:
+    check_input("Linear", x, self.weight.shape[-1])
     y = jnp.einsum("...k,nk->...n", high_precision(x).astype(self.dtype),
                    self.weight[...].astype(self.dtype), preferred_element_type=jnp.float32)
     if self.bias is not None:
@@ -92,6 +115,7 @@ class StackedLinear(nnx.Module):
                fmt: Fp8Format | None, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                kernel_init=_scaled_normal, implementation: str | Sequence[str] | None = None,
                rngs: nnx.Rngs):
+    check_sizes("StackedLinear", num=num, in_features=in_features, out_features=out_features)
     w = kernel_init(rngs.params(), (num, out_features, in_features), jnp.float32)
     if fmt is not None:
       q, s = jax.vmap(lambda a: quantize_weight(a, fmt))(w)

@@ -9,7 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jfusedq.errors import InputError
 from jfusedq.fp8 import Fp8Format, QuantizedActivation
+from jfusedq.nn.linear import check_input, check_sizes
 from jfusedq.ops.rmsnorm import rmsnorm
 from jfusedq.ops.rmsnorm_quant import rmsnorm_quant
 from jfusedq.parallel import allreduce_rmsnorm_quant
@@ -37,6 +39,9 @@ class RMSNorm(nnx.Module):
                ar_strategy: str | Sequence[str] | None = None, dtype=jnp.bfloat16,
                param_dtype=jnp.bfloat16, scale_init=nnx.initializers.ones,
                implementation: str | Sequence[str] | None = None, rngs: nnx.Rngs):
+    check_sizes("RMSNorm", num_features=num_features)
+    if not float(eps) >= 0.0:
+      raise InputError(f"RMSNorm: eps must be >= 0, got {eps!r}")
     self.weight = nnx.Param(scale_init(rngs.params(), (num_features,), param_dtype))
     self.eps, self.weight_offset = float(eps), float(weight_offset)
     self.quant, self.keep_hp, self.fmt, self.group_size = quant, keep_hp, fmt, group_size
@@ -50,6 +55,10 @@ class RMSNorm(nnx.Module):
                ) -> jax.Array | QuantizedActivation | tuple:
     quant = self.quant if quant is None else quant
     keep_hp = self.keep_hp if keep_hp is None else keep_hp
+    check_input("RMSNorm", x, self.weight.shape[0])
+    if residual is not None and tuple(residual.shape) != tuple(x.shape):
+      raise InputError(f"RMSNorm: residual shape {tuple(residual.shape)} differs from x shape "
+                       f"{tuple(x.shape)}")
     x = x.astype(self.dtype)
     residual = None if residual is None else residual.astype(self.dtype)
     w = self.weight[...]
@@ -81,7 +90,7 @@ class RMSNorm(nnx.Module):
     x `[..., H]`, x2 `[..., H2]`; no residual, no all-reduce. Returns (QuantizedActivation of
     `[..., H]`, `[..., H2]`)."""
     if second.weight_offset != self.weight_offset:
-      raise ValueError("the dual-input kernel applies one weight_offset to both norms; got "
+      raise InputError("second: the dual-input kernel applies one weight_offset to both norms; got "
                        f"{self.weight_offset} and {second.weight_offset}")
     out = rmsnorm_quant(x.astype(self.dtype), self.weight[...], x2=x2.astype(second.dtype),
                         weight2=second.weight[...], eps=self.eps, eps2=second.eps,

@@ -8,10 +8,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
 from jfusedq.checkpoint import QuantConfig
+from jfusedq.errors import DTypeError, InputError, check_range
 from jfusedq.fp8 import QuantizedActivation, default_format
 from jfusedq.nn import Fp8Linear, Linear, RMSNorm, StackedLinear
 
@@ -88,7 +90,13 @@ def fused_flags(fused: bool | Sequence[bool], layers: int, quant: QuantConfig | 
 
 
 class Embedding(nnx.Module):
-  """`embed_tokens`: ids `[B, T]` -> `weight[ids]` `[B, T, H]` in dtype (weight `[V, H]`)."""
+  """`embed_tokens`: ids `[B, T]` -> `weight[ids]` `[B, T, H]` in dtype (weight `[V, H]`).
+
+  Ids outside [0, V) are clamped into it (`jnp.take(mode="clip")`): a finite row of the table,
+  where the default gather would fill NaN (id >= V) that attention spreads over the sequence,
+  or wrap (a negative id read as V - 1). Concrete ids are checked before that and raise
+  `InputError` (see `check_call`); traced ones under `jfusedq.errors.debug_checks()`.
+  """
 
   def __init__(self, num: int, features: int, *, dtype, param_dtype, rngs: nnx.Rngs):
     self.weight = nnx.Param(nnx.initializers.normal(1.0)(rngs.params(), (num, features),
@@ -96,7 +104,7 @@ class Embedding(nnx.Module):
     self.dtype = dtype
 
   def __call__(self, ids: jax.Array) -> jax.Array:
-    return jnp.take(self.weight[...], ids, axis=0).astype(self.dtype)
+    return jnp.take(self.weight[...], ids, axis=0, mode="clip").astype(self.dtype)
 
   def attend(self, y: jax.Array) -> jax.Array:
     """Tied LM head: y `[..., H]` -> logits `y W^T` `[..., V]` in f32."""
@@ -121,11 +129,65 @@ def prepare(norm: RMSNorm, h: jax.Array, residual: jax.Array | None, *, quant: b
 
 def write_cache(cache: jax.Array | None, x: jax.Array, pos: jax.Array | int) -> jax.Array | None:
   """`cache [B, S, ...]` with `x [B, T, ...]` (cast to the cache's dtype) in slots
-  pos .. pos + T - 1 (slot s holds position s); None stays None."""
+  pos .. pos + T - 1 (slot s holds position s); None stays None. A traced pos outside
+  [0, S - T] is clamped into it (XLA's dynamic_update_slice), so earlier slots are overwritten:
+  concrete positions are checked by `check_call`, traced ones under `debug_checks()`."""
   if cache is None:
     return None
   at = (0, jnp.asarray(pos, jnp.int32)) + (0,) * (cache.ndim - 2)
   return lax.dynamic_update_slice(cache, x.astype(cache.dtype), at)
+
+
+def check_call(tokens, *, vocab: int, cache_len: int | None, pos) -> None:
+  """The inputs of a model's `__call__`, before tracing: tokens an integer `[B, T]` array with
+  B, T >= 1 and (when concrete) ids in [0, vocab); pos >= 0 and, with a cache of `cache_len`
+  slots, pos + T <= cache_len. Traced ids and positions are checked at run time only under
+  `jfusedq.errors.debug_checks()`; otherwise the embedding and the cache write clamp them.
+
+  Raises:
+    InputError, DTypeError: naming the argument, its value and what it needs.
+  """
+  if not hasattr(tokens, "shape") or not hasattr(tokens, "dtype"):
+    raise InputError(f"tokens must be an integer [B, T] array, got {type(tokens).__name__}")
+  if tokens.ndim != 2:
+    raise InputError(f"tokens must be [B, T] (batch, length), got shape {tuple(tokens.shape)}")
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise DTypeError(f"tokens must hold integer ids, got dtype {tokens.dtype}")
+  b, t = tokens.shape
+  if b < 1 or t < 1:
+    raise InputError(f"tokens must have batch and length >= 1, got shape {(b, t)}")
+  check_range("tokens", tokens, 0, vocab)
+  if cache_len is None:
+    if not isinstance(pos, jax.core.Tracer) and int(np.asarray(pos)) < 0:
+      raise InputError(f"pos must be >= 0, got {int(np.asarray(pos))}")
+    return
+  if isinstance(pos, jax.core.Tracer):
+    check_range("pos", pos, 0, cache_len - t + 1)
+    return
+  p = int(np.asarray(pos))
+  if p < 0 or p + t > cache_len:
+    raise InputError(f"pos = {p} with {t} tokens needs slots [{p}, {p + t}), outside the "
+                     f"cache's [0, {cache_len}): pos must lie in [0, {cache_len - t}]")
+
+
+def check_cache_args(batch, max_len) -> None:
+  """`init_cache(batch, max_len)`: both ints >= 1."""
+  for name, v in (("batch", batch), ("max_len", max_len)):
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+      raise InputError(f"{name} must be an int >= 1, got {v!r}")
+
+
+def check_generate(*, batch: int, prompt_len: int, steps: int, max_len: int) -> None:
+  """A generation run (prompt of `prompt_len`, then `steps` decode steps, in a cache of
+  `max_len` slots): batch, prompt_len >= 1, steps >= 0, prompt_len + steps <= max_len."""
+  check_cache_args(batch, max_len)
+  if not isinstance(prompt_len, (int, np.integer)) or prompt_len < 1:
+    raise InputError(f"prompt_len must be an int >= 1, got {prompt_len!r}")
+  if not isinstance(steps, (int, np.integer)) or steps < 0:
+    raise InputError(f"steps must be an int >= 0, got {steps!r}")
+  if prompt_len + steps > max_len:
+    raise InputError(f"prompt_len + steps = {prompt_len + steps} exceeds the cache's max_len = "
+                     f"{max_len}")
 
 
 class CausalLMOutput(NamedTuple):

@@ -2,15 +2,61 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import warnings
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jfusedq.checkpoint import CheckpointError, QuantConfig, TensorMismatchError
+from jfusedq.checkpoint import (Checkpoint, CheckpointError, ConfigError, QuantConfig,
+                                TensorMismatchError)
 from jfusedq.fp8 import Fp8Format
 from models.common.sharding import param_names
+
+
+class UnusedTensorsWarning(UserWarning):
+  """A checkpoint holds tensors the model did not load."""
+
+
+def open_checkpoint(path: str | os.PathLike, model_types: Sequence[str], loader: str
+                    ) -> Checkpoint:
+  """The checkpoint at `path`, after checking that its config.json exists, is a JSON object
+  (`Checkpoint` checks the parse) and names one of `model_types` (what `loader` loads).
+
+  Raises:
+    CheckpointError: no such directory or no tensor file; ConfigError: the config.
+  """
+  ckpt = Checkpoint(path)
+  if not os.path.exists(os.path.join(ckpt.path, "config.json")):
+    raise ConfigError(f"{ckpt.path} has no config.json: {loader} reads the model's sizes from "
+                      f"it (a Hugging Face checkpoint directory holds one)")
+  mt = ckpt.config.get("model_type")
+  if mt not in model_types:
+    raise ConfigError(f"{ckpt.path}/config.json has model_type {mt!r}, but {loader} loads "
+                      f"{list(model_types)} (models.registry.from_pretrained picks the loader "
+                      f"by model_type)")
+  return ckpt
+
+
+def require_keys(cfg: dict, keys: Sequence[str], what: str) -> None:
+  """Raises ConfigError listing the `keys` missing from a config.json dict (for `what`)."""
+  missing = [k for k in keys if cfg.get(k) is None]
+  if missing:
+    raise ConfigError(f"config.json for {what} lacks {missing}: the model's sizes cannot be "
+                      f"guessed")
+
+
+def report_unread(ckpt: Checkpoint) -> None:
+  """Warns (UnusedTensorsWarning) about tensors no loader read. A warning, not an error: real
+  releases carry tensors a model need not run (DeepSeek-V3's multi-token-prediction layer 61,
+  rotary caches), and refusing them would refuse the official checkpoints."""
+  unread = ckpt.unread()
+  if unread:
+    warnings.warn(f"{len(unread)} tensor(s) of {ckpt.path} were not loaded (not used by this "
+                  f"model): {unread[:8]}{' ...' if len(unread) > 8 else ''}",
+                  UnusedTensorsWarning, stacklevel=3)
 
 
 def set_param(var: nnx.Variable, value, name: str) -> None:

@@ -8,12 +8,10 @@
   loading.py   from_pretrained
 """
 
-from models.deepseek_v3.config import DeepseekV3Config, YarnScaling
+from models.deepseek_v3.config import MODEL_TYPES, DeepseekV3Config, YarnScaling
 from models.deepseek_v3.layers import MLA, MLP, DecoderLayer, Experts, KVCache, MoE, Router
 from models.deepseek_v3.loading import from_pretrained, load_weights
 from models.deepseek_v3.model import DeepseekV3ForCausalLM
-
-MODEL_TYPES = ("deepseek_v3",)
 
 __all__ = [
     "MLA", "MLP", "MODEL_TYPES", "DecoderLayer", "DeepseekV3Config", "DeepseekV3ForCausalLM",

@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
+
+from jfusedq.checkpoint import ConfigError, read_config
+from models.common.loading import require_keys
+
+MODEL_TYPES = ("deepseek_v3",)
+# config.json keys that fix the model's sizes: the dataclass defaults are DeepSeek-V3's, and a
+# config without them would silently build V3's shapes.
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+            "num_hidden_layers", "num_attention_heads", "n_routed_experts", "kv_lora_rank",
+            "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "num_experts_per_tok")
 
 @dataclasses.dataclass(frozen=True)
 class YarnScaling:
@@ -62,6 +71,7 @@ class DeepseekV3Config:
   def from_hf(cls, d: dict) -> DeepseekV3Config:
     """From a Hugging Face config.json dict (transformers 4.x `rope_scaling` + `rope_theta`, or
     5.x `rope_parameters`)."""
+    require_keys(d, REQUIRED, "DeepSeek-V3")
     names = {f.name for f in dataclasses.fields(cls)} - {"rope_scaling", "rope_theta"}
     kw = {k: d[k] for k in names if d.get(k) is not None}
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
@@ -88,13 +98,12 @@ class DeepseekV3Config:
       raise NotImplementedError("MLA expands keys per head: num_key_value_heads must equal "
                                 "num_attention_heads")
     if cfg.n_routed_experts % cfg.n_group:
-      raise ValueError(f"n_routed_experts={cfg.n_routed_experts} is not divisible by "
-                       f"n_group={cfg.n_group}")
+      raise ConfigError(f"n_routed_experts={cfg.n_routed_experts} is not divisible by "
+                        f"n_group={cfg.n_group}")
     return cfg
 
   @classmethod
   def from_json(cls, path: str | os.PathLike) -> DeepseekV3Config:
     if os.path.isdir(path):
       path = os.path.join(path, "config.json")
-    with open(path) as f:
-      return cls.from_hf(json.load(f))
+    return cls.from_hf(read_config(path))

@@ -13,7 +13,8 @@ from jfusedq.fp8 import Fp8Format
 from jfusedq.nn import Fp8Linear, RMSNorm, StackedLinear
 from models.common import check_loaded, checkpoint_quant, set_param
 from models.common.layers import Impl
-from models.deepseek_v3.config import DeepseekV3Config
+from models.common.loading import open_checkpoint, report_unread
+from models.deepseek_v3.config import MODEL_TYPES, DeepseekV3Config
 from models.deepseek_v3.layers import MLP, Experts
 from models.deepseek_v3.model import DeepseekV3ForCausalLM
 
@@ -121,11 +122,12 @@ def from_pretrained(path: str | os.PathLike, *, fp8: bool | None = None,
       `DeepseekV3ForCausalLM`.
   Raises CheckpointError subclasses naming the tensor at fault.
   """
-  ckpt = Checkpoint(path)
+  ckpt = open_checkpoint(path, MODEL_TYPES, "models.deepseek_v3.from_pretrained")
   cfg = DeepseekV3Config.from_hf(ckpt.config)
   quant = checkpoint_quant(ckpt.config.get("quantization_config"), fp8, fmt)
   model = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(
       cfg, fp8=quant or False, fused=fused, tp_axis=tp_axis, ar_strategy=ar_strategy,
       dtype=dtype, param_dtype=param_dtype, implementation=implementation, rngs=nnx.Rngs(0)))
   load_weights(model, ckpt)
+  report_unread(ckpt)
   return model

@@ -11,7 +11,7 @@ from flax import nnx
 from jfusedq.checkpoint import QuantConfig
 from jfusedq.nn import Linear
 from models.common import CausalLMOutput, Embedding, Options, fused_flags, is_fp8
-from models.common.layers import Impl
+from models.common.layers import Impl, check_cache_args, check_call
 from models.deepseek_v3 import sharding
 from models.deepseek_v3.config import DeepseekV3Config
 from models.deepseek_v3.layers import DecoderLayer, KVCache
@@ -58,6 +58,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
     """Zeroed per-layer latent caches for `max_len` positions (`KVCache`; the same on every
     tensor-parallel device): kv in kv_b_proj's input form (fp8 codes + scales for an FP8
     kv_b_proj, else dtype), k_pe in dtype."""
+    check_cache_args(batch, max_len)
     cfg, dtype = self.cfg, self.opts.dtype
     caches = []
     for layer in self.layers:
@@ -73,7 +74,10 @@ class DeepseekV3ForCausalLM(nnx.Module):
 
   def __call__(self, tokens: jax.Array, *, cache: Sequence[KVCache] | None = None,
                pos: jax.Array | int = 0) -> CausalLMOutput:
-    """tokens `[B, T]` at positions pos .. pos + T - 1 (pos: tokens already in `cache`)."""
+    """tokens `[B, T]` at positions pos .. pos + T - 1 (pos: tokens already in `cache`);
+    checked by `models.common.layers.check_call`."""
+    check_call(tokens, vocab=self.cfg.vocab_size, pos=pos,
+               cache_len=None if cache is None else cache[0].kv.shape[1])
     b, t = tokens.shape
     positions = jnp.broadcast_to(pos + jnp.arange(t), (b, t))
     cos, sin = rope_tables(self.cfg, positions)

@@ -10,12 +10,10 @@ path.
   gguf.py      GGUF tensors in Hugging Face names and layout, and the GGUF's BPE tokenizer
 """
 
-from models.llama.config import LlamaConfig
+from models.llama.config import MODEL_TYPES, LlamaConfig
 from models.llama.layers import MLP, Attention, DecoderLayer, apply_rope
 from models.llama.loading import from_pretrained, from_tensors
 from models.llama.model import LlamaForCausalLM
-
-MODEL_TYPES = ("llama",)
 
 __all__ = ["MLP", "MODEL_TYPES", "Attention", "DecoderLayer", "LlamaConfig", "LlamaForCausalLM",
            "apply_rope", "from_pretrained", "from_tensors"]

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from jfusedq.checkpoint import ConfigError
+from models.common.loading import require_keys
+
+MODEL_TYPES = ("llama",)
+# config.json keys with no default: the model's sizes.
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads")
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -31,7 +39,8 @@ class LlamaConfig:
   def from_hf(cls, cfg: dict) -> LlamaConfig:
     """From a Hugging Face config.json dict."""
     if cfg.get("model_type") != "llama":
-      raise ValueError(f"model_type {cfg.get('model_type')!r} is not a Llama model")
+      raise ConfigError(f"model_type {cfg.get('model_type')!r} is not a Llama model")
+    require_keys(cfg, REQUIRED, "model_type 'llama'")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
       raise ValueError("attention_bias / mlp_bias are not supported (SmolLM2 and Llama 2/3 use "
                        "none)")

@@ -9,14 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jfusedq.checkpoint import (Checkpoint, MissingTensorError, QuantConfig, TensorMismatchError,
-                                load_array, load_linear)
+from jfusedq.checkpoint import (MissingTensorError, QuantConfig, TensorMismatchError, load_array,
+                                load_linear)
 from jfusedq.fp8 import Fp8Format
 from jfusedq.nn import Fp8Linear, quantize_weight
 from models.common import check_loaded, checkpoint_quant, set_param
 from models.common.layers import Impl
+from models.common.loading import open_checkpoint, report_unread
 from models.llama import gguf
-from models.llama.config import LlamaConfig
+from models.llama.config import MODEL_TYPES, LlamaConfig
 from models.llama.model import LlamaForCausalLM
 
 
@@ -47,7 +48,7 @@ def _abstract(cfg: LlamaConfig, quant, **kw) -> LlamaForCausalLM:
 
 
 def _from_checkpoint(path, *, fp8, fmt, **kw) -> LlamaForCausalLM:
-  ckpt = Checkpoint(path)
+  ckpt = open_checkpoint(path, MODEL_TYPES, "models.llama.from_pretrained")
   cfg = LlamaConfig.from_hf(ckpt.config)
   model = _abstract(cfg, checkpoint_quant(ckpt.config.get("quantization_config"), fp8, fmt),
                     **kw)
@@ -64,6 +65,7 @@ def _from_checkpoint(path, *, fp8, fmt, **kw) -> LlamaForCausalLM:
     set_param(var, load_array(ckpt, name, shape, pdt), name)
 
   _fill(model, linear, array)
+  report_unread(ckpt)
   return model
 
 

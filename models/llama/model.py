@@ -12,7 +12,7 @@ from flax import nnx
 from jfusedq.checkpoint import QuantConfig
 from jfusedq.nn import Linear
 from models.common import CausalLMOutput, Embedding, Options, fused_flags
-from models.common.layers import Impl
+from models.common.layers import Impl, check_cache_args, check_call
 from models.llama import sharding
 from models.llama.config import LlamaConfig
 from models.llama.layers import DecoderLayer
@@ -60,6 +60,7 @@ class LlamaForCausalLM(nnx.Module):
 
   def init_cache(self, batch: int, max_len: int) -> tuple[dict, ...]:
     """Empty per-layer caches for `max_len` positions: k, v `[B, S, Hkv, D]` (global shapes)."""
+    check_cache_args(batch, max_len)
     return tuple(l.self_attn.init_cache(batch, max_len, self.opts.dtype) for l in self.layers)
 
   def __call__(self, tokens: jax.Array, *, cache: Sequence[dict] | None = None,
@@ -69,6 +70,8 @@ class LlamaForCausalLM(nnx.Module):
     With `cache` (from `init_cache`) the call writes k, v at [pos, pos + T) and attends to
     everything before. Every sequence of the batch is at the same position (no padding).
     """
+    check_call(tokens, vocab=self.cfg.vocab_size, pos=pos,
+               cache_len=None if cache is None else cache[0]["k"].shape[1])
     h = self.embed_tokens(tokens)
     residual, new = None, []
     for i, layer in enumerate(self.layers):

@@ -9,12 +9,11 @@ jfusedq's fused norm + FP8 path.
   loading.py   from_pretrained
 """
 
-from models.qwen3_5.config import ATTN, GDN, Qwen35Config
+from models.qwen3_5.config import ATTN, GDN, MODEL_TYPES, Qwen35Config
 from models.qwen3_5.layers import CHUNK, MLP, Attention, DecoderLayer, GatedDeltaNet, SparseMoe
 from models.qwen3_5.loading import from_pretrained
 from models.qwen3_5.model import Qwen35ForCausalLM
 
-MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
 __all__ = [
     "ATTN", "Attention", "CHUNK", "DecoderLayer", "GDN", "GatedDeltaNet", "MLP", "MODEL_TYPES",

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from jfusedq.checkpoint import ConfigError
+from models.common.loading import require_keys
+
 GDN, ATTN = "linear_attention", "full_attention"
+MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+# config.json keys with no default: the model's sizes.
+REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_num_key_heads", "linear_num_value_heads", "num_experts",
+            "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +68,14 @@ class Qwen35Config:
     mt = cfg.get("model_type")
     if mt == "qwen3_5_moe":
       if "text_config" not in cfg:
-        raise ValueError("config.json of model_type 'qwen3_5_moe' has no text_config")
+        raise ConfigError("config.json of model_type 'qwen3_5_moe' has no text_config")
       text = dict(cfg["text_config"])
       text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
       return cls.from_hf(dict(text, model_type=text.get("model_type", "qwen3_5_moe_text")))
     if mt not in ("qwen3_5_moe_text", "qwen3_next"):
-      raise ValueError(f"model_type {mt!r} is not a Qwen3.5 MoE / Qwen3-Next model (expected "
+      raise ConfigError(f"model_type {mt!r} is not a Qwen3.5 MoE / Qwen3-Next model (expected "
                        f"'qwen3_5_moe', 'qwen3_5_moe_text' or 'qwen3_next')")
+    require_keys(cfg, REQUIRED, f"model_type {mt!r}")
     if cfg.get("attention_bias"):
       raise ValueError("attention_bias=True is not supported (no released Qwen3.5 uses it)")
     if cfg.get("hidden_act", "silu") != "silu":

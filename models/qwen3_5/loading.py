@@ -16,8 +16,9 @@ from jfusedq.nn import Fp8Linear, quantize_weight
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
 from models.common import check_loaded, checkpoint_quant, set_param
 from models.common.layers import Impl
+from models.common.loading import open_checkpoint, report_unread
 from models.common.sharding import BLOCK
-from models.qwen3_5.config import GDN, Qwen35Config
+from models.qwen3_5.config import GDN, MODEL_TYPES, Qwen35Config
 from models.qwen3_5.layers import MLP, Attention, GatedDeltaNet, SparseMoe
 from models.qwen3_5.model import Qwen35ForCausalLM
 
@@ -206,7 +207,7 @@ def from_pretrained(path: str | os.PathLike, *, fp8: bool | None = None,
   high precision, as the bf16 releases store them).
   Raises CheckpointError subclasses naming the tensor at fault.
   """
-  ckpt = Checkpoint(path)
+  ckpt = open_checkpoint(path, MODEL_TYPES, "models.qwen3_5.from_pretrained")
   cfg = Qwen35Config.from_hf(ckpt.config)
   hf = ckpt.config
   qc = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
@@ -216,4 +217,5 @@ def from_pretrained(path: str | os.PathLike, *, fp8: bool | None = None,
       dtype=dtype, param_dtype=param_dtype, implementation=implementation, rngs=nnx.Rngs(0)))
   _Loader(ckpt, model).load()
   check_loaded(model)
+  report_unread(ckpt)
   return model

@@ -12,7 +12,7 @@ from flax import nnx
 from jfusedq.checkpoint import QuantConfig
 from jfusedq.nn import Linear
 from models.common import CausalLMOutput, Embedding, Options, fused_flags
-from models.common.layers import Impl
+from models.common.layers import Impl, check_cache_args, check_call
 from models.qwen3_5 import sharding
 from models.qwen3_5.config import GDN, Qwen35Config
 from models.qwen3_5.layers import DecoderLayer
@@ -63,6 +63,7 @@ class Qwen35ForCausalLM(nnx.Module):
   def init_cache(self, batch: int, max_len: int) -> tuple[dict, ...]:
     """Empty per-layer caches for `max_len` positions: attention k, v `[B, S, Hkv, D]`; GDN
     conv `[B, K-1, C]` and recurrent state `[B, Hv, dk, dv]` f32 (global shapes)."""
+    check_cache_args(batch, max_len)
     dt = self.opts.dtype
     return tuple(l.mixer.init_cache(batch, dt) if l.kind == GDN
                  else l.mixer.init_cache(batch, max_len, dt) for l in self.layers)
@@ -76,6 +77,10 @@ class Qwen35ForCausalLM(nnx.Module):
     batch is at the same position (no padding). gdn_mode: "chunk" / "recurrent" (default:
     recurrent for T == 1, chunked otherwise).
     """
+    # GDN states hold no positions: the first attention layer's k gives the cache length.
+    kv = [c["k"] for c in cache or () if "k" in c]
+    check_call(tokens, vocab=self.cfg.vocab_size, pos=pos,
+               cache_len=kv[0].shape[1] if kv else None)
     h = self.embed_tokens(tokens)
     residual, new = None, []
     for i, layer in enumerate(self.layers):
