@@ -362,6 +362,10 @@ def table(r: dict) -> str:
                  f"{spread:>15} {x['enqueue_ms']:12.3f} {dev:>14} {x['tokens_per_s']:8.1f} "
                  f"{k['total']:12d} {k['fusion']:6d} {k['custom-call']:6d} {k['collective']:4d} "
                  f"{k['other']:5d}")
+  for name, x in r["paths"].items():
+    if x["device_ms"]:
+      lines.append(f"{name}: wall / device time per step {x['step_ms'] / x['device_ms']:.2f}x, "
+                   f"host enqueue / device {x['enqueue_ms'] / x['device_ms']:.2f}x")
   for key, v in r["ratios"].items():
     noise = " (within noise: the p10-p90 spreads overlap)" if v["within_noise"] else ""
     lines.append(f"step time {key}: {v['ratio']:.3f}x{noise}")

@@ -254,3 +254,8 @@ def test_library_input_errors_are_one_line(monkeypatch, capsys):
   assert main(["run", "--steps", "1"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert err == ["jfusedq: InputError: prompt_len must be an int >= 1, got 0"]
+
+
+def test_device_time_needs_a_gpu_trace():
+  """The profiler's kernel time per step comes from GPU planes only; a CPU trace has none."""
+  assert runner.device_seconds(lambda: jnp.ones(8) * 2) is None
