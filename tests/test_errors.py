@@ -181,6 +181,27 @@ def test_models(model, call, kind, message):
   assert isinstance(e.value, errors.JfusedqError)
 
 
+def _other_model(family: str):
+  """A model of `family` with random weights, of the Hugging Face reference's (small) sizes."""
+  if family == "deepseek_v3":
+    from tests.models.ds_reference import ref_path as ref
+  else:
+    from tests.models.test_qwen3_5 import ref
+  with open(os.path.join(ref("hf"), "config.json")) as f:
+    return registry.build(json.load(f), **F32)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5"])
+def test_every_model_checks_its_call(family):
+  m = _other_model(family)
+  for call, kind, message in (MODELS["tokens_rank"], MODELS["pos_past_cache"],
+                              MODELS["cache_len"]):
+    with pytest.raises(kind, match=message):
+      call(m)
+  with pytest.raises(InputError, match="tokens must lie in"):
+    m(_ids().at[0, 0].set(m.cfg.vocab_size))
+
+
 @nnx.jit
 def _logits(m, ids):
   return m(ids).logits
