@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jfusedq as jf
+from jfusedq.nn import quantize_weight
 from tests import helpers
 
 BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
@@ -96,3 +97,13 @@ def test_rmsnorm_quant_zero_and_huge_rows(impl, dtype):
   np.testing.assert_allclose(scale[1], scale[2], rtol=helpers.SCALE_RTOL)
   np.testing.assert_array_equal(np.abs(codes[1]), codes[2])
   np.testing.assert_allclose(np.asarray(out.quant.hp[1].astype(jnp.float32))[8:], 1.0)
+
+
+@pytest.mark.parametrize("impl", helpers.implementations("fp8_matmul"))
+def test_fp8_matmul_non_finite_row_is_nan(impl):
+  """A NaN or inf in an activation row reaches its outputs as NaN (through the NaN scale of its
+  group), and no other row."""
+  w, s = quantize_weight(jax.random.normal(jax.random.key(3), (128, H)), jf.Fp8Format.e4m3fn())
+  x = _corrupt(np.nan).at[2, 200].set(np.inf)
+  y = np.asarray(jf.fp8_matmul(x, w, s, implementation=impl).astype(jnp.float32))
+  assert np.isnan(y[0]).all() and np.isnan(y[2]).all() and np.isfinite(y[1]).all()
