@@ -51,7 +51,8 @@ class Spec:
   title: str
   # The figure shown per implementation (a row -> text).
   cell: Callable[[dict], str] = lambda r: num(r["time_us"])
-  cell_unit: str = ""  # what the cell's figures are, after "us"
+  cell_unit: str = ""  # what the cell's figures are, after `unit`
+  unit: str = "us"
   # The default's figures: (header, f(default row, rows of the case by impl) -> text).
   summary: tuple[tuple[str, Callable[[dict, dict], str]], ...] = ()
   default_impl: str | None = None  # where the rows mark none
@@ -113,6 +114,14 @@ SPECS = {
                  ("time / psum alone, kernel",
                   lambda r, by: ratio(r, by.get("psum"), "kernel_us"))),
         headline=({"T": 64, "H": 7168}, {"T": 4096, "H": 7168})),
+    "accuracy": Spec(
+        "Next-token NLL of SmolLM2-135M on English text, bf16 and every FP8 path (`models.llama`)",
+        cell=lambda r: f"{r['nll']:.4f}", unit="NLL in nats", default_impl="fused",
+        summary=(("FP8 cost vs bf16", lambda r, _: f"{r['delta_vs_bf16']:+.4f} +- "
+                  f"{r['delta_se']:.4f}"),
+                 ("KL vs bf16", lambda r, _: f"{r['kl_vs_bf16']:.3g}"),
+                 ("fused - unfused", lambda r, _: "-" if r.get("vs_unfused") is None else
+                  f"{r['vs_unfused']:+.4f} +- {r['vs_unfused_se']:.4f}"))),
 }
 ORDER = list(SPECS)
 
@@ -176,7 +185,8 @@ def table(name: str, doc: dict, rows: list[dict]) -> list[str]:
            f"{devices} x {doc['device']}, JAX {doc['jax']}; ceilings measured in the run: "
            f"{ceilings_text(json.loads(ceilings)) or 'none'}"
            + (f"; {', '.join(f'{k} = {v}' for k, v in fixed.items())}" if fixed else "")
-           + f". Per implementation: us{', ' + spec.cell_unit if spec.cell_unit else ''}, the "
+           + f". Per implementation: {spec.unit}"
+           + f"{', ' + spec.cell_unit if spec.cell_unit else ''}, the "
            "default in bold.", ""]
   head = shape + impls + ["default"] + [h for h, _ in spec.summary]
   lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
