@@ -143,7 +143,8 @@ def run_of(doc: dict, row: dict) -> tuple[str, str, str]:
 
 
 def is_default(spec: Spec, row: dict) -> bool:
-  return row.get("default", row["impl"] == spec.default_impl)
+  """A row measured as a user calls the op (impl "default"), else the one marked default."""
+  return row.get("default", row["impl"] in ("default", spec.default_impl))
 
 
 def ceilings_text(ceilings: dict) -> str:
@@ -178,7 +179,7 @@ def table(name: str, doc: dict, rows: list[dict]) -> list[str]:
   fixed = {k: rows[0]["case"].get(k) for k in keys
            if all(r["case"].get(k) == rows[0]["case"].get(k) for r in rows)}
   shape = [k for k in keys if k not in fixed]
-  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  impls = list(dict.fromkeys(r["impl"] for r in rows if r["impl"] != "default"))
   commit, date, ceilings = run_of(doc, rows[0])
   devices = rows[0].get("devices", doc["devices"])
   lines = [f"Commit `{short(commit)}`, {date}, "
@@ -198,7 +199,10 @@ def table(name: str, doc: dict, rows: list[dict]) -> list[str]:
       r = by_impl.get(impl)
       text = "-" if r is None else spec.cell(r) + ("" if r["correct"] else f" {FAILED}")
       cells.append(f"**{text}**" if r is not None and r is default else text)
-    cells.append(default["impl"] if default else "-")
+    if default is not None and default["impl"] == "default":
+      cells.append(f"**{spec.cell(default)}**" + ("" if default["correct"] else f" {FAILED}"))
+    else:
+      cells.append(default["impl"] if default else "-")
     cells += [get(default, by_impl) if default else "-" for _, get in spec.summary]
     lines.append("| " + " | ".join(cells) + " |")
   return lines
