@@ -250,12 +250,11 @@ def headline(docs: dict[str, dict]) -> str:
         d = next((r for r in by_impl.values() if is_default(spec, r)), None)
         if d is None:
           continue
-        commit, date, _ = run_of(doc, d)
+        _, date, _ = run_of(doc, d)
         case = ", ".join(f"{k} = {v}" for k, v in want.items())
         figures = "; ".join(f"{h} {get(d, by_impl)}" for h, get in spec.summary)
         time = f"{spec.cell(d)} {spec.cell_unit}".strip() + ("" if d["correct"] else f" {FAILED}")
-        lines.append(f"| {name} | {case} | {d['impl']} | {time} | {figures} | "
-                     f"`{short(commit)}`, {date} |")
+        lines.append(f"| {name} | {case} | {d['impl']} | {time} | {figures} | {date} |")
   lines += ["", END]
   return "\n".join(lines)
 

@@ -233,7 +233,8 @@ def plot(args) -> int:
   except (KeyError, TypeError):
     bad = [{"rows"}]
   if bad:
-    raise UsageError(f"{args.results}: not a benchmark results file (no {sorted(bad[0])})")
+    raise UsageError(f"{args.results}: rows without {sorted(bad[0])}: plot draws time_us per "
+                     f"case and implementation")
   try:
     import matplotlib
     matplotlib.use("Agg")
