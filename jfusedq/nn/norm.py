@@ -10,7 +10,7 @@ from flax import nnx
 from jax import lax
 
 from jfusedq.errors import InputError
-from jfusedq.fp8 import Fp8Format, QuantizedActivation
+from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation
 from jfusedq.nn.linear import check_input, check_sizes
 from jfusedq.ops.rmsnorm import rmsnorm
 from jfusedq.ops.rmsnorm_quant import rmsnorm_quant
@@ -35,7 +35,7 @@ class RMSNorm(nnx.Module):
 
   def __init__(self, num_features: int, *, eps: float = 1e-6, weight_offset: float = 0.0,
                quant: bool = False, keep_hp: bool = False, fmt: Fp8Format | str | None = None,
-               group_size: int = 128, axis_name: str | None = None,
+               group_size: int = BLOCK, axis_name: str | None = None,
                ar_strategy: str | Sequence[str] | None = None, dtype=jnp.bfloat16,
                param_dtype=jnp.bfloat16, scale_init=nnx.initializers.ones,
                implementation: str | Sequence[str] | None = None, rngs: nnx.Rngs):

@@ -11,9 +11,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jfusedq.fp8 import BLOCK
 from models.common.layers import CausalLMOutput
-
-BLOCK = 128  # FP8 weight block: a device's shard must hold whole blocks
 
 
 def param_names(path) -> list[str]:

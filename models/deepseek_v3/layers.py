@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jfusedq.fp8 import QuantizedActivation
+from jfusedq.fp8 import BLOCK, QuantizedActivation
 from jfusedq.nn import StackedLinear
 from jfusedq.ops.fp8_matmul import activation_format
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
@@ -301,7 +301,7 @@ class MLA(nnx.Module):
     b, t, nh, _ = q.shape
     dn, lkv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
     if is_fp8(self.kv_b_proj):
-      kq = group_quant(kv, group_size=128, fmt=activation_format(self.kv_b_proj.weight.dtype),
+      kq = group_quant(kv, group_size=BLOCK, fmt=activation_format(self.kv_b_proj.weight.dtype),
                        implementation=self.implementation)
       new = (kq.q, kq.row_scale())
       w = dequantize_weight(self.kv_b_proj.weight[...], self.kv_b_proj.weight_scale_inv[...])
