@@ -1,14 +1,14 @@
 """Building blocks every model here shares: build options and the projection factory, the
-embedding, the prepare step (all-reduce + residual add + norm + quant), the cache write,
+embedding, RoPE, the SwiGLU MLP, the prepare step (all-reduce + residual add + norm + quant), the cache write,
 tensor-parallel application, and checkpoint-loading helpers."""
 
-from models.common.layers import (CausalLMOutput, Embedding, Options, fused_flags, is_fp8,
-                                  prepare, write_cache)
+from models.common.layers import (MLP, CausalLMOutput, Embedding, Options, fused_flags, is_fp8,
+                                  prepare, rotate_half_rope, write_cache)
 from models.common.loading import check_loaded, checkpoint_quant, set_param
 from models.common.sharding import check_split, param_names, partition_specs, tp_apply
 
 __all__ = [
-    "CausalLMOutput", "Embedding", "Options", "check_loaded", "check_split", "checkpoint_quant",
-    "fused_flags", "is_fp8", "param_names", "partition_specs", "prepare", "set_param",
-    "tp_apply", "write_cache",
+    "MLP", "CausalLMOutput", "Embedding", "Options", "check_loaded", "check_split", "checkpoint_quant",
+    "fused_flags", "is_fp8", "param_names", "partition_specs", "prepare", "rotate_half_rope",
+    "set_param", "tp_apply", "write_cache",
 ]

@@ -112,6 +112,48 @@ class Embedding(nnx.Module):
                       preferred_element_type=jnp.float32)
 
 
+def rotate_half_rope(x: jax.Array, pos, theta: float, rotary_dim: int | None = None) -> jax.Array:
+  """Rotate-half RoPE (Hugging Face `apply_rotary_pos_emb`) on the first `rotary_dim` dims of
+  each head (default: the whole head).
+
+  x `[B, T, N, D]` at positions p = pos + t. With d = rotary_dim / 2, inv_freq_i =
+  theta^(-2i / rotary_dim), angle = p * inv_freq (f32, cos and sin then rounded to x's dtype),
+  x1 = x[..., :d], x2 = x[..., d:rotary_dim]:
+    out = [x1 cos - x2 sin, x2 cos + x1 sin, x[..., rotary_dim:]].
+  """
+  t = x.shape[1]
+  rotary_dim = x.shape[-1] if rotary_dim is None else rotary_dim
+  inv = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim))
+  p = (jnp.asarray(pos, jnp.int32) + jnp.arange(t, dtype=jnp.int32)).astype(jnp.float32)
+  ang = p[:, None] * jnp.asarray(inv, jnp.float32)[None, :]  # [T, d]
+  cos = jnp.cos(ang)[None, :, None, :].astype(x.dtype)
+  sin = jnp.sin(ang)[None, :, None, :].astype(x.dtype)
+  d = rotary_dim // 2
+  x1, x2, rest = x[..., :d], x[..., d:rotary_dim], x[..., rotary_dim:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+class MLP(nnx.Module):
+  """SwiGLU `down_proj(silu(gate_proj(x)) * up_proj(x))`: x `[B, T, H]` -> `[B, T, H]`, silu
+  rounded to `dtype` before the product, as Hugging Face's Llama and Qwen3.5 compute it
+  (gate/up column-, down row-parallel under TP: a partial sum). `name`: the HF module prefix
+  ("model.layers.{i}.mlp.")."""
+
+  def __init__(self, h: int, inter: int, name: str, opts: Options, *, rngs: nnx.Rngs):
+    self.gate_proj = opts.proj(h, inter, name + "gate_proj", rngs=rngs)
+    self.up_proj = opts.proj(h, inter, name + "up_proj", rngs=rngs)
+    self.down_proj = opts.proj(inter, h, name + "down_proj", rngs=rngs)
+    self.dtype = opts.dtype
+
+  @property
+  def needs_hp(self) -> bool:
+    return isinstance(self.gate_proj, Linear) or isinstance(self.up_proj, Linear)
+
+  def __call__(self, x):
+    a = jax.nn.silu(self.gate_proj(x).astype(jnp.float32)).astype(self.dtype)
+    return self.down_proj((a * self.up_proj(x)).astype(self.dtype))
+
+
 def prepare(norm: RMSNorm, h: jax.Array, residual: jax.Array | None, *, quant: bool,
             keep_hp: bool) -> tuple[jax.Array | QuantizedActivation, jax.Array]:
   """The prepare step before a mixer or MLP (SGLang's LayerCommunicator):

@@ -11,9 +11,9 @@ path.
 """
 
 from models.llama.config import MODEL_TYPES, LlamaConfig
-from models.llama.layers import MLP, Attention, DecoderLayer, apply_rope
+from models.llama.layers import Attention, DecoderLayer
 from models.llama.loading import from_pretrained, from_tensors
 from models.llama.model import LlamaForCausalLM
 
-__all__ = ["MLP", "MODEL_TYPES", "Attention", "DecoderLayer", "LlamaConfig", "LlamaForCausalLM",
-           "apply_rope", "from_pretrained", "from_tensors"]
+__all__ = ["MODEL_TYPES", "Attention", "DecoderLayer", "LlamaConfig", "LlamaForCausalLM",
+           "from_pretrained", "from_tensors"]

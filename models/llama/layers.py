@@ -21,29 +21,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jfusedq.nn import Linear
-from models.common import Options, prepare, write_cache
+from models.common import MLP, Options, prepare, rotate_half_rope, write_cache
 from models.llama.config import LlamaConfig
-
-
-def apply_rope(x: jax.Array, pos, theta: float) -> jax.Array:
-  """Rotate-half RoPE over each whole head (Hugging Face `apply_rotary_pos_emb`).
-
-  x `[B, T, N, D]` at positions p = pos + t. With d = D / 2, inv_freq_i = theta^(-2i / D),
-  angle = p * inv_freq (f32, cos and sin then rounded to x's dtype), x1 = x[..., :d],
-  x2 = x[..., d:]:  out = [x1 cos - x2 sin, x2 cos + x1 sin].
-  """
-  t, dim = x.shape[1], x.shape[-1]
-  inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
-  p = (jnp.asarray(pos, jnp.int32) + jnp.arange(t, dtype=jnp.int32)).astype(jnp.float32)
-  ang = p[:, None] * jnp.asarray(inv)[None, :]  # [T, d]
-  cos = jnp.cos(ang)[None, :, None, :].astype(x.dtype)
-  sin = jnp.sin(ang)[None, :, None, :].astype(x.dtype)
-  x1, x2 = x[..., :dim // 2], x[..., dim // 2:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 class Attention(nnx.Module):
@@ -74,8 +56,8 @@ class Attention(nnx.Module):
     q = self.q_proj(x)
     b, t, _ = q.shape
     d = self.d
-    q = apply_rope(q.reshape(b, t, -1, d), pos, self.theta)
-    k = apply_rope(self.k_proj(x).reshape(b, t, -1, d), pos, self.theta)
+    q = rotate_half_rope(q.reshape(b, t, -1, d), pos, self.theta)
+    k = rotate_half_rope(self.k_proj(x).reshape(b, t, -1, d), pos, self.theta)
     v = self.v_proj(x).reshape(b, t, -1, d)
     new = None
     if cache is not None:
@@ -98,27 +80,6 @@ class Attention(nnx.Module):
     return {"k": z, "v": z}
 
 
-class MLP(nnx.Module):
-  """SwiGLU `down_proj(silu(gate_proj(x)) * up_proj(x))`, x `[B, T, H]` -> `[B, T, H]`; silu
-  rounded to `dtype` before the product, as Hugging Face computes it (gate/up column-, down
-  row-parallel under TP: a partial sum)."""
-
-  def __init__(self, cfg: LlamaConfig, layer: int, opts: Options, *, rngs: nnx.Rngs):
-    h, inter, name = cfg.hidden_size, cfg.intermediate_size, f"model.layers.{layer}.mlp."
-    self.gate_proj = opts.proj(h, inter, name + "gate_proj", rngs=rngs)
-    self.up_proj = opts.proj(h, inter, name + "up_proj", rngs=rngs)
-    self.down_proj = opts.proj(inter, h, name + "down_proj", rngs=rngs)
-    self.dtype = opts.dtype
-
-  @property
-  def needs_hp(self) -> bool:
-    return isinstance(self.gate_proj, Linear) or isinstance(self.up_proj, Linear)
-
-  def __call__(self, x):
-    a = jax.nn.silu(self.gate_proj(x).astype(jnp.float32)).astype(self.dtype)
-    return self.down_proj((a * self.up_proj(x)).astype(self.dtype))
-
-
 class DecoderLayer(nnx.Module):
   """One Llama decoder layer with `prepare_attn` / `prepare_mlp`:
 
@@ -134,7 +95,8 @@ class DecoderLayer(nnx.Module):
                rngs: nnx.Rngs):
     h, eps = cfg.hidden_size, cfg.rms_norm_eps
     self.self_attn = Attention(cfg, layer, opts, rngs=rngs)
-    self.mlp = MLP(cfg, layer, opts, rngs=rngs)
+    self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, f"model.layers.{layer}.mlp.", opts,
+                   rngs=rngs)
     # The first layer's input is the (replicated) embedding: nothing to all-reduce.
     self.input_layernorm = opts.norm(h, eps, reduce=layer > 0, rngs=rngs)
     self.post_attention_layernorm = opts.norm(h, eps, reduce=True, rngs=rngs)

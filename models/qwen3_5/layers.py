@@ -40,35 +40,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax import lax
 
 from jfusedq.nn import Linear, RMSNorm, StackedLinear, high_precision
 from jfusedq.ops.gated_delta_rule import gated_delta_rule
 from jfusedq.ops.rmsnorm_quant.reference import rmsnorm as rmsnorm_f32
-from models.common import Options, prepare, write_cache
+from models.common import MLP, Options, prepare, rotate_half_rope, write_cache
 from models.qwen3_5.config import GDN, Qwen35Config
 
 CHUNK = 64  # chunk length of the prefill gated delta rule (HF and fla use 64)
-
-
-def _apply_rope(x, pos, rotary_dim: int, theta: float):
-  """Rotate-half RoPE on the first `rotary_dim` dims of each head (HF `apply_rotary_pos_emb`).
-
-  x `[B, T, N, D]`; positions `pos + t`. With d = rotary_dim / 2, inv_freq_i = theta^(-2i /
-  rotary_dim), angle = p * inv_freq (f32), x1 = x[..., :d], x2 = x[..., d:rotary_dim]:
-    out = [x1 cos - x2 sin, x2 cos + x1 sin, x[..., rotary_dim:]].
-  """
-  t = x.shape[1]
-  inv = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim))
-  p = (jnp.asarray(pos, jnp.int32) + jnp.arange(t, dtype=jnp.int32)).astype(jnp.float32)
-  ang = p[:, None] * jnp.asarray(inv, jnp.float32)[None, :]  # [T, d]
-  cos = jnp.cos(ang)[None, :, None, :].astype(x.dtype)
-  sin = jnp.sin(ang)[None, :, None, :].astype(x.dtype)
-  d = rotary_dim // 2
-  x1, x2, rest = x[..., :d], x[..., d:rotary_dim], x[..., rotary_dim:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
 # --- mixers ---------------------------------------------------------------------------------
@@ -202,8 +183,8 @@ class Attention(nnx.Module):
     k = self.k_proj(x).reshape(b, t, -1, d)
     v = self.v_proj(x).reshape(b, t, -1, d)
     q, k = self.q_norm(q), self.k_norm(k)
-    q = _apply_rope(q, pos, self.rotary_dim, self.theta)
-    k = _apply_rope(k, pos, self.rotary_dim, self.theta)
+    q = rotate_half_rope(q, pos, self.theta, self.rotary_dim)
+    k = rotate_half_rope(k, pos, self.theta, self.rotary_dim)
     new = None
     if cache is not None:
       k, v = write_cache(cache["k"], k, pos), write_cache(cache["v"], v, pos)
@@ -228,25 +209,6 @@ class Attention(nnx.Module):
 
 
 # --- MLPs -----------------------------------------------------------------------------------
-
-
-class MLP(nnx.Module):
-  """SwiGLU `down(silu(gate(x)) * up(x))`: x `[B, T, H]` -> `[B, T, H]` (gate/up column-,
-  down row-parallel under TP: a partial sum)."""
-
-  def __init__(self, h: int, inter: int, name: str, opts: Options, *, rngs: nnx.Rngs):
-    self.gate_proj = opts.proj(h, inter, name + "gate_proj", rngs=rngs)
-    self.up_proj = opts.proj(h, inter, name + "up_proj", rngs=rngs)
-    self.down_proj = opts.proj(inter, h, name + "down_proj", rngs=rngs)
-    self.dtype = opts.dtype
-
-  @property
-  def needs_hp(self) -> bool:
-    return isinstance(self.gate_proj, Linear) or isinstance(self.up_proj, Linear)
-
-  def __call__(self, x):
-    a = jax.nn.silu(self.gate_proj(x).astype(jnp.float32)).astype(self.dtype)
-    return self.down_proj((a * self.up_proj(x)).astype(self.dtype))
 
 
 class SparseMoe(nnx.Module):

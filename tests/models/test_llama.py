@@ -28,7 +28,7 @@ if ROOT not in sys.path:  # `models` is a top-level directory of the repository
 from jfusedq.checkpoint import MissingTensorError, save_file  # noqa: E402
 from jfusedq.testing import rel_rms  # noqa: E402
 from models import llama, registry  # noqa: E402
-from models.common import tp_apply  # noqa: E402
+from models.common import rotate_half_rope, tp_apply  # noqa: E402
 from models.llama import gguf  # noqa: E402
 
 TINY = llama.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
@@ -231,7 +231,7 @@ def test_rope_permutation_matches_interleaved_rope():
   perm = gguf.permute_rope(w, heads)
   np.testing.assert_array_equal(gguf.unpermute_rope(perm, heads), w)
   pos, theta = 5, 10000.0
-  half = llama.apply_rope(jnp.asarray((w @ x).reshape(1, 1, heads, d)), pos, theta)
+  half = rotate_half_rope(jnp.asarray((w @ x).reshape(1, 1, heads, d)), pos, theta)
   ang = pos / theta ** (np.arange(0, d, 2) / d)
   y = (perm @ x).reshape(heads, d // 2, 2)  # llama.cpp: adjacent pairs
   inter = np.stack([y[..., 0] * np.cos(ang) - y[..., 1] * np.sin(ang),
