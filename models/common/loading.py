@@ -48,6 +48,18 @@ def require_keys(cfg: dict, keys: Sequence[str], what: str) -> None:
                       f"guessed")
 
 
+def rope_parameters(cfg: dict) -> dict:
+  """A config.json dict's RoPE parameters; raises ValueError unless it asks for SiLU and plain
+  (unscaled) RoPE, all that the rotate-half RoPE and SwiGLU MLP of `models.common` compute."""
+  if cfg.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"hidden_act={cfg['hidden_act']!r}: only silu is supported")
+  rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type != "default":
+    raise ValueError(f"rope_type={rope_type!r} is not supported (only 'default' RoPE)")
+  return rope
+
+
 def report_unread(ckpt: Checkpoint) -> None:
   """Warns (UnusedTensorsWarning) about tensors no loader read. A warning, not an error: real
   releases carry tensors a model need not run (DeepSeek-V3's multi-token-prediction layer 61,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jfusedq.checkpoint import ConfigError
-from models.common.loading import require_keys
+from models.common.loading import require_keys, rope_parameters
 
 MODEL_TYPES = ("llama",)
 # config.json keys with no default: the model's sizes.
@@ -44,12 +44,7 @@ class LlamaConfig:
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
       raise ValueError("attention_bias / mlp_bias are not supported (SmolLM2 and Llama 2/3 use "
                        "none)")
-    if cfg.get("hidden_act", "silu") != "silu":
-      raise ValueError(f"hidden_act={cfg['hidden_act']!r}: only silu is supported")
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-      raise ValueError(f"rope_type={rope_type!r} is not supported (only 'default' RoPE)")
+    rope = rope_parameters(cfg)
     heads = cfg["num_attention_heads"]
     return cls(
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jfusedq.checkpoint import ConfigError
-from models.common.loading import require_keys
+from models.common.loading import require_keys, rope_parameters
 
 GDN, ATTN = "linear_attention", "full_attention"
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
@@ -78,12 +78,7 @@ class Qwen35Config:
     require_keys(cfg, REQUIRED, f"model_type {mt!r}")
     if cfg.get("attention_bias"):
       raise ValueError("attention_bias=True is not supported (no released Qwen3.5 uses it)")
-    if cfg.get("hidden_act", "silu") != "silu":
-      raise ValueError(f"hidden_act={cfg['hidden_act']!r}: only silu is supported")
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-      raise ValueError(f"rope_type={rope_type!r} is not supported (only 'default' RoPE)")
+    rope = rope_parameters(cfg)
     layers = cfg["num_hidden_layers"]
     interval = cfg.get("full_attention_interval", 4)
     types = cfg.get("layer_types") or [GDN if (i + 1) % interval else ATTN for i in range(layers)]
