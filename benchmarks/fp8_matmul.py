@@ -18,36 +18,74 @@ fp8_matmul_sweep[_<impl>].json: the data the heuristics are set from. --nks pick
 (e.g. 12288x4096; default: the models' projections, `jfusedq.testing.PROJECTIONS`) and --tag
 suffixes the results file (fp8_matmul[_sweep[_<impl>]]_<tag>.json).
 
+The peer: cuBLAS's blockwise FP8 GEMM (PyTorch's `scaled_mm`, 1x128 activation and 128x128
+weight scales: exactly this format), `_cublas.py` in its own process (two profilers never share
+one) on the first input set of every case, written to a temporary folder as codes and scales.
+Its float32 output (every `sample_step`-th row) is checked against reference.py within 2^-8.
+--cublas adds its row (`cublas_blockwise`) to the cases above.
+
+With --prefill, the prefill comparison instead, written to fp8_matmul_prefill.json: M in
+PREFILL_MS over the projections and the MoE experts' shapes (`jfusedq.testing.EXPERTS`), rows
+`cublas_blockwise`, `xla_bf16` (XLA's bf16 dot of the dequantised operands: the product without
+FP8), `default` (`jf.fp8_matmul` as a user calls it; `pick`: the implementation whose kernels it
+ran) and one per implementation (`mosaic_gpu`, `triton`, `pallas`, `xla`; one that declines the
+call gives no row). `vs_xla` and `vs_cublas` are speed-ups over XLA bf16 and cuBLAS. Checks,
+on sampled rows: every row against reference.py in float32 (`err_vs_reference`, within 2^-8),
+ours against cuBLAS's float32 output (`err_vs_cublas`: bf16 rounding alone, within 2^-8), and
+the default with a float32 output against cuBLAS's within 1e-4 (two bf16 roundings, 2^-7, if
+cuBLAS gave bf16). `time_us` is the mean kernel time per call on both sides; cuBLAS's rows add
+the median and p10 / p90 per call. Ours take 2-4 input sets a jit (`prefill_calls`), cuBLAS 8-32
+copies (`torch_calls`). --budget-s bounds the timing loop (M outermost: a run cut short loses
+the largest M); --peer-timeout the torch process.
+
 Run: python benchmarks/fp8_matmul.py [--ms 1 4096 ...] [--nks NxK ...] [--extra triton mosaic_gpu]
-     [--out DIR] [--commit SHA] [--tag T] [--smoke] [--sweep [--sweep-impl triton]]
+     [--out DIR] [--commit SHA] [--tag T] [--smoke] [--sweep [--sweep-impl triton]] [--cublas]
+     python benchmarks/fp8_matmul.py --prefill [--impls ...] [--budget-s S] [--out DIR]
+     python benchmarks/_cublas.py --probe   (torch's API and small checked calls, in seconds)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _harness  # noqa: E402
-from jfusedq import default_format, fp8_matmul, group_quant  # noqa: E402
+from jfusedq import Unsupported, default_format, fp8_matmul, group_quant  # noqa: E402
 from jfusedq.nn import quantize_weight  # noqa: E402
 from jfusedq.ops.fp8_matmul import mosaic_gpu as mm_mosaic  # noqa: E402
 from jfusedq.ops.fp8_matmul import pallas as mm_pallas  # noqa: E402
 from jfusedq.ops.fp8_matmul import triton as mm_triton  # noqa: E402
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight  # noqa: E402
 from jfusedq.ops._common import pow2_floor  # noqa: E402
-from jfusedq.testing import (DECODE_TOKENS, EDGE_PROJECTIONS, PREFILL_TOKENS,  # noqa: E402
-                             PROJECTIONS, rel_rms)
+from jfusedq.testing import (DECODE_TOKENS, EDGE_PROJECTIONS, EXPERTS,  # noqa: E402
+                             PREFILL_TOKENS, PROJECTIONS, rel_rms)
 
 MS = DECODE_TOKENS + PREFILL_TOKENS
 SWEEP_MS = (1, 64, 256, 4096)  # M = 16 tiles like M = 1 (block_m 16): ask for it with --ms
 NKS = tuple(PROJECTIONS.values())
+# --prefill: a short prompt's tokens to a long one's, the dense projections and the experts'.
+PREFILL_MS = (256, 1024, 4096, 16384)
+PREFILL_NKS = NKS + tuple(EXPERTS.values())
+CUBLAS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_cublas.py")
+# The GEMMs' gate against the reference (bf16 outputs), and the cross-check of two float32
+# outputs of the same block-scaled product (cuBLAS's and the default's).
+TOL, TOL_F32 = 2.0**-8, 1e-4
+# Two bf16 outputs of one product: each rounding is within 2^-8 of its float32 value.
+TOL_BF16_PAIR = 2.0**-7
 
 
 def bf16_tflops(n: int = 8192) -> float:
@@ -162,6 +200,208 @@ def run_sweep(impl, ms, nks, fp8_peak, bw, commit, out, tag=""):
                            commit, out)
 
 
+def cublas_unavailable() -> str | None:
+  """Why the cuBLAS column cannot run here, or None."""
+  if importlib.util.find_spec("torch") is None:
+    return "torch is not installed"
+  if jax.devices()[0].platform != "gpu":
+    return f"cuBLAS needs a CUDA GPU; JAX runs on {jax.devices()[0].platform}"
+  if jnp.dtype(_fmt().dtype) != jnp.float8_e4m3fn:
+    return "cuBLAS's blockwise FP8 GEMM takes e4m3fn codes"
+  return None
+
+
+def sample_step(m: int) -> int:
+  """Every `step`-th output row is compared: 256 rows spread over every 128-row tile."""
+  return max(1, m // 256)
+
+
+def cublas_peer(cases, first_set, timeout: float) -> tuple[dict, str | None]:
+  """cuBLAS's blockwise GEMM on each case's first input set, in `_cublas.py`'s own process.
+
+  cases: [(M, N, K, torch calls)]; first_set(i) -> the (x, qa, qw, sw, wb) set of case i.
+  Returns ({case index: result (time_us, spread, out: the float32 rows of sample_step)}, why
+  the column is missing or None); a case cuBLAS declined has an `error`.
+  """
+  why = cublas_unavailable()
+  if why:
+    return {}, why
+  with tempfile.TemporaryDirectory() as d:
+    spec = []
+    for i, (m, n, k, calls) in enumerate(cases):
+      _, qa, qw, sw, _ = first_set(i)
+      for part, arr in (("a", qa.q), ("a_scale", qa.row_scale()), ("w", qw), ("w_scale", sw)):
+        arr = np.asarray(arr)
+        np.save(os.path.join(d, f"{i}_{part}.npy"), arr.view(np.uint8) if arr.itemsize == 1
+                else arr)
+      spec.append(dict(id=i, M=m, N=n, K=k, calls=calls, step=sample_step(m)))
+    with open(os.path.join(d, "cases.json"), "w") as f:
+      json.dump({"cases": spec}, f)
+    print(f"cuBLAS: {len(spec)} cases in {CUBLAS} (at most {timeout:.0f} s)", flush=True)
+    try:
+      proc = subprocess.run([sys.executable, CUBLAS, d], capture_output=True, text=True,
+                            timeout=timeout)
+      print(proc.stdout[-4000:] + proc.stderr[-2000:], flush=True)
+    except subprocess.TimeoutExpired:
+      print(f"cuBLAS: stopped after {timeout:.0f} s; the cases it finished are kept")
+    path = os.path.join(d, "results.json")
+    if not os.path.exists(path):
+      return {}, "the torch side wrote no results (its output is above)"
+    with open(path) as f:
+      res = json.load(f)
+    if res.get("skipped"):
+      return {}, res["skipped"]
+    out = {}
+    for key, r in res["cases"].items():
+      if "error" not in r:
+        r["out"] = np.load(os.path.join(d, f"{key}_out.npy"))
+      out[int(key)] = dict(r, peer=res.get("peer"))
+  return out, None
+
+
+def torch_calls(m: int, n: int, k: int) -> int:
+  """cuBLAS's calls per case: no compile to pay, so 8-32 distinct copies, about 1 GB of them."""
+  return int(max(8, min(32, -(-1e9 // (m * k + n * k + 2 * m * n)))))
+
+
+def prefill_calls(m: int, n: int, k: int) -> int:
+  """Our calls per timed jit: 2-4 input sets, about 160 MB of them (3x the H200's 50 MB L2),
+  few enough that the compiles of every implementation fit the run."""
+  return int(max(2, min(4, -(-160e6 // (m * k + n * k + 2 * m * n)))))
+
+
+def prefill_problem(m, n, k, seed):
+  """make_problem's sets with `x` and `wb` replaced by the dequantised operands in bf16: the
+  product a user without FP8 would run (xla_bf16), on the same values."""
+  make = make_problem(m, n, k, seed)
+
+  def make_dequant(count):
+    return [(qa.dequantize(jnp.bfloat16), qa, qw, sw,
+             dequantize_weight(qw, sw).astype(jnp.bfloat16))
+            for _, qa, qw, sw, _ in make(count)]
+  return make_dequant
+
+
+def kernel_family(row: dict) -> str | None:
+  """The row's longest kernel, numbering dropped (XLA numbers its fusions per module)."""
+  top = row.get("top_kernels")
+  return re.sub(r"[_.]?\d+", "", max(top, key=top.get)) if top else None
+
+
+PREFILL_IMPLS = {
+    "xla_bf16": IMPLS["xla_bf16"],
+    "default": lambda x, qa, qw, sw, wb: fp8_matmul(qa, qw, sw),
+    **{impl: (lambda x, qa, qw, sw, wb, impl=impl: fp8_matmul(qa, qw, sw, implementation=impl))
+       for impl in ("mosaic_gpu", "triton", "pallas", "xla")},
+}
+
+
+def run_prefill(ms, nks, impls, fp8_peak, bw, bf16, commit, out, tag, budget_s, peer_timeout):
+  """The --prefill rows (module docstring): every case's implementations and cuBLAS."""
+  gpu = jax.devices()[0].platform == "gpu"
+  # M outermost: a run cut short by the budget loses the largest M, not a shape.
+  cases = [(m, n, k) for m in ms for n, k in nks]
+  first = lambda i: prefill_problem(*cases[i], i)(1)[0]
+  peer, why = ({}, "not asked for") if "cublas_blockwise" not in impls else cublas_peer(
+      [(*c, torch_calls(*c)) for c in cases], first, peer_timeout)
+  if why:
+    print(f"cuBLAS column skipped: {why}")
+  name = "fp8_matmul_prefill" + (f"_{tag}" if tag else "")
+  ceilings = {"copy_tbps": round(bw, 3), "bf16_tflops": round(bf16, 1)}
+  rows, start = [], time.perf_counter()
+  print(f"{'M':>5} {'N':>6} {'K':>6} {'impl':>16} {'us':>9} {'TFLOP/s':>8} {'vs_bf16':>7} "
+        f"{'vs_cuBLAS':>9} {'err_ref':>8} {'err_cuBLAS':>10}")
+  for i, (m, n, k) in enumerate(cases):
+    if time.perf_counter() - start > budget_s:
+      print(f"budget of {budget_s:.0f} s spent: cases {cases[i:]} not run")
+      break
+    calls = prefill_calls(m, n, k)
+    # The slope (a second compile) only where no profiler trace gives kernel time: on CPU.
+    sets = prefill_problem(m, n, k, i)(calls if gpu else 2 * calls)
+    x, qa, qw, sw, wb = sets[0]
+    step = sample_step(m)
+    want = fp8_matmul(qa.map_leading(lambda t: t[::step]), qw, sw, out_dtype=jnp.float32,
+                      implementation="xla")
+    flops = 2 * m * n * k
+    kb = -(-k // 128)
+    nbytes = n * k + (-(-n // 128)) * kb * 4 + m * k + m * kb * 4 + m * n * 2
+    floor = max(flops / (fp8_peak * 1e12), nbytes / (bw * 1e12))
+    theirs = peer.get(i)
+    if theirs and "error" in theirs:
+      print(f"cuBLAS declined M={m} N={n} K={k}: {theirs['error']}")
+      theirs = None
+    case_rows, outs = {}, {}
+    for impl in impls:
+      if impl == "cublas_blockwise":
+        if theirs:
+          got = theirs["out"]
+          err = rel_rms(got, want)
+          case_rows[impl] = dict(
+              time_us=theirs["time_us"], median_us=theirs["median_us"], p10_us=theirs["p10_us"],
+              p90_us=theirs["p90_us"], calls=theirs["calls"], err_vs_reference=err,
+              correct=bool(err <= TOL), out_dtype=theirs["out_dtype"], peer=theirs["peer"],
+              kernels_per_call=theirs["kernels_per_call"], top_kernels=theirs["top_kernels"])
+        continue
+      op = PREFILL_IMPLS[impl]
+      try:
+        got = np.asarray(op(x, qa, qw, sw, wb)[::step], np.float32)
+      except Unsupported as e:
+        print(f"{m:>5} {n:>6} {k:>6} {impl:>16} declines: {str(e)[:160]}")
+        continue
+      outs[impl] = got
+      err = rel_rms(got, want)
+      t = _harness.measure(op, lambda count: sets[:count], calls, chain=not gpu)
+      row = dict(time_us=(t["kernel_s"] or t["chain_s"]) * 1e6, calls=calls,
+                 err_vs_reference=err, correct=bool(err <= TOL),
+                 config=str(HEURISTICS[impl](m, n, k)) if impl in HEURISTICS else None,
+                 kernels_per_call=t["kernels_per_call"], top_kernels=t.get("top_kernels"))
+      if theirs and impl != "xla_bf16":
+        # bf16 against cuBLAS's float32: the bf16 rounding alone, within 2^-8.
+        row["err_vs_cublas"] = rel_rms(got, theirs["out"])
+        row["correct"] &= bool(row["err_vs_cublas"] <= TOL)
+      case_rows[impl] = row
+    default = case_rows.get("default")
+    if default is not None:
+      # Where the default's kernels are one implementation's (on a GPU), else its output bits.
+      fam = kernel_family(default)
+      default["pick"] = next(
+          (i for i, r in case_rows.items() if i not in ("default", "xla_bf16", "cublas_blockwise")
+           and (kernel_family(r) == fam if fam else np.array_equal(outs[i], outs["default"]))),
+          None)
+      if theirs:
+        # The issue's cross-check: two float32 outputs of the same product, within 1e-4
+        # (within two bf16 roundings where cuBLAS gave bf16).
+        f32 = theirs["out_dtype"] == "float32"
+        dtype = jnp.float32 if f32 else jnp.bfloat16
+        try:
+          mine = np.asarray(fp8_matmul(qa, qw, sw, out_dtype=dtype)[::step], np.float32)
+          default["err_vs_cublas"] = rel_rms(mine, theirs["out"])
+          default["err_vs_cublas_dtype"] = theirs["out_dtype"]
+          default["correct"] &= bool(default["err_vs_cublas"] <= (TOL_F32 if f32
+                                                                   else TOL_BF16_PAIR))
+        except Exception as e:  # noqa: BLE001  (a kernel without that output dtype: say so)
+          default["err_vs_cublas"] = None
+          print(f"default with out_dtype={dtype.dtype}: {type(e).__name__}: {str(e)[:200]}")
+    base = case_rows.get("xla_bf16", {}).get("time_us")
+    peer_us = case_rows.get("cublas_blockwise", {}).get("time_us")
+    for impl, r in case_rows.items():
+      sec = r["time_us"] * 1e-6
+      rows.append(dict(
+          case=dict(M=m, N=n, K=k), impl=impl, time_us=round(r.pop("time_us"), 3),
+          tflops=round(flops / sec / 1e12, 1), roofline_frac=round(floor / sec, 3),
+          vs_xla=round(base * 1e-6 / sec, 3) if base else None,
+          vs_cublas=round(peer_us * 1e-6 / sec, 3) if peer_us else None,
+          **{key: float(f"{v:.3g}") if key.startswith("err") and isinstance(v, float) else v
+             for key, v in r.items()}))
+      row = rows[-1]
+      print(f"{m:>5} {n:>6} {k:>6} {impl:>16} {row['time_us']:9.2f} {row['tflops']:8.1f} "
+            f"{row['vs_xla'] or 0:7.3f} {row['vs_cublas'] or 0:9.3f} "
+            f"{row['err_vs_reference']:8.2e} {row.get('err_vs_cublas') or 0:10.2e} "
+            f"{row.get('pick') or ''} {'' if row['correct'] else 'CHECK FAILED'}", flush=True)
+    _harness.write_results(name, rows, ceilings, commit, out)
+  return rows
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -175,16 +415,35 @@ def main():
   ap.add_argument("--tag", default="", help="results file fp8_matmul_<tag>.json")
   ap.add_argument("--extra", nargs="*", default=[], choices=sorted(EXTRA_IMPLS),
                   help="also time these implementations")
-  ap.add_argument("--impls", nargs="+", default=None, choices=sorted({**IMPLS, **EXTRA_IMPLS}),
+  ap.add_argument("--impls", nargs="+", default=None,
+                  choices=sorted({**IMPLS, **EXTRA_IMPLS, **PREFILL_IMPLS, "cublas_blockwise": 0}),
                   help="time only these (xla_bf16, the ratios' base, is always timed)")
+  ap.add_argument("--cublas", action="store_true",
+                  help="also cuBLAS's blockwise FP8 GEMM (torch, in its own process)")
+  ap.add_argument("--prefill", action="store_true",
+                  help=f"the prefill comparison (docstring): M {PREFILL_MS}, every projection "
+                       "and expert shape, fp8_matmul_prefill.json")
+  ap.add_argument("--budget-s", type=float, default=200.0,
+                  help="--prefill: start no case after this many seconds of the timing loop")
+  ap.add_argument("--peer-timeout", type=float, default=150.0,
+                  help="seconds the torch process may take over all cases")
   args = ap.parse_args()
-  nks = tuple(tuple(int(d) for d in nk.split("x")) for nk in args.nks) if args.nks else NKS
-  ms, nks = ((1, 16), (EDGE_PROJECTIONS["small"],)) if args.smoke else (args.ms or MS, nks)
+  nks = tuple(tuple(int(d) for d in nk.split("x")) for nk in args.nks) if args.nks else None
+  if args.prefill:
+    impls = args.impls and ["xla_bf16", *args.impls]
+    ms, nks, impls = (((16, 128), (EDGE_PROJECTIONS["small"],),
+                       impls or ["cublas_blockwise", "xla_bf16", "default", "xla"])
+                      if args.smoke else (args.ms or PREFILL_MS, nks or PREFILL_NKS,
+                                          impls or ["cublas_blockwise", *PREFILL_IMPLS]))
+  else:
+    ms, nks = ((1, 16), (EDGE_PROJECTIONS["small"],)) if args.smoke else (args.ms or MS,
+                                                                          nks or NKS)
   name = "fp8_matmul" + (f"_{args.tag}" if args.tag else "")
-  impls = dict(IMPLS, **{extra: EXTRA_IMPLS[extra] for extra in args.extra})
-  if args.impls:
-    every = {**IMPLS, **EXTRA_IMPLS}
-    impls = {i: every[i] for i in dict.fromkeys(["xla_bf16", *args.impls])}
+  if not args.prefill:
+    impls = dict(IMPLS, **{extra: EXTRA_IMPLS[extra] for extra in args.extra})
+    if args.impls:
+      every = {**IMPLS, **EXTRA_IMPLS}
+      impls = {i: every[i] for i in dict.fromkeys(["xla_bf16", *args.impls]) if i in every}
 
   bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
   bf16 = bf16_tflops(256 if args.smoke else 8192)
@@ -194,11 +453,20 @@ def main():
   if args.sweep:
     return run_sweep(args.sweep_impl, (1,) if args.smoke else args.ms or SWEEP_MS, nks,
                      fp8_peak, bw, args.commit, args.out, args.tag)
+  if args.prefill:
+    return run_prefill(ms, nks, list(dict.fromkeys(impls)), fp8_peak, bw, bf16, args.commit,
+                       args.out, args.tag, args.budget_s, args.peer_timeout)
   print(__doc__.split("\n\n")[1])
   rows = []
-  print(f"{'M':>5} {'N':>6} {'K':>6} {'impl':>13} {'us':>9} {'TFLOP/s':>8} {'wTB/s':>6} "
+  cases = [(m, n, k) for (n, k) in nks for m in ms]
+  peer, why = ({}, "not asked for (--cublas)") if not args.cublas else cublas_peer(
+      [(*c, torch_calls(*c)) for c in cases], lambda i: make_problem(*cases[i], i)(1)[0],
+      args.peer_timeout)
+  if why:
+    print(f"cuBLAS column skipped: {why}")
+  print(f"{'M':>5} {'N':>6} {'K':>6} {'impl':>16} {'us':>9} {'TFLOP/s':>8} {'wTB/s':>6} "
         f"{'roof':>5} {'vs_bf16':>7} config / ok")
-  for seed, ((n, k), m) in enumerate((nk, m) for nk in nks for m in ms):
+  for seed, (m, n, k) in enumerate(cases):
     make = make_problem(m, n, k, seed)
     x, qa, qw, sw, wb = make(1)[0]
     want = fp8_matmul(qa, qw, sw, implementation="xla")
@@ -229,10 +497,26 @@ def main():
                        chain_us=round(t["chain_s"] * 1e6, 3) if t["chain_s"] else None,
                        kernels_per_call=t["kernels_per_call"],
                        top_kernels=t.get("top_kernels")))
+    theirs = peer.get(seed)
+    if theirs and "error" in theirs:
+      print(f"cuBLAS declined M={m} N={n} K={k}: {theirs['error']}")
+    elif theirs:
+      sec = theirs["time_us"] * 1e-6
+      secs.append(sec)
+      err = rel_rms(theirs["out"], np.asarray(want[::sample_step(m)], np.float32))
+      rows.append(dict(case=dict(M=m, N=n, K=k), impl="cublas_blockwise",
+                       time_us=theirs["time_us"], tbps=round(n * k / sec / 1e12, 3),
+                       tflops=round(flops / sec / 1e12, 1), roofline_frac=round(floor / sec, 3),
+                       vs_xla=None, same_size_frac=same and round(same / sec, 3),
+                       correct=bool(err <= TOL), config=None, chain_us=None,
+                       kernels_per_call=theirs["kernels_per_call"],
+                       top_kernels=theirs["top_kernels"], median_us=theirs["median_us"],
+                       p10_us=theirs["p10_us"], p90_us=theirs["p90_us"],
+                       err_vs_reference=float(f"{err:.3g}"), peer=theirs["peer"]))
     # From the unrounded times: on a loaded CPU (--smoke) a slope can round to 0 us.
-    for row, sec in zip(rows[-len(impls):], secs, strict=True):
+    for row, sec in zip(rows[-len(secs):], secs, strict=True):
       row["vs_xla"] = round(base / sec, 3)
-      print(f"{m:>5} {n:>6} {k:>6} {row['impl']:>13} {row['time_us']:9.2f} {row['tflops']:8.1f} "
+      print(f"{m:>5} {n:>6} {k:>6} {row['impl']:>16} {row['time_us']:9.2f} {row['tflops']:8.1f} "
             f"{row['tbps']:6.2f} {row['roofline_frac']:5.2f} {row['vs_xla']:7.2f} "
             f"{row['config'] or ''} {'' if row['correct'] else 'CHECK FAILED'}", flush=True)
     _harness.write_results(name, rows,

@@ -57,6 +57,8 @@ class Spec:
   summary: tuple[tuple[str, Callable[[dict, dict], str]], ...] = ()
   default_impl: str | None = None  # where the rows mark none
   headline: tuple[dict, ...] = ()  # cases (subsets of `case`) for README.md's short table
+  # A second table of a run's rows (rows -> lines), after the first.
+  grid: Callable[[list[dict]], list[str]] | None = None
 
 
 def field(key: str, digits: int = 2, ratio_like: bool = False):
@@ -76,6 +78,31 @@ def decode_kernels(_, by_impl):
   return " -> ".join(map(str, k)) or "-"
 
 
+def spread(r: dict | None) -> str:
+  """A row's p10-p90 per-call range, where the row has one."""
+  if not r or r.get("p10_us") is None:
+    return "-"
+  return f"{num(r['p10_us'])}-{num(r['p90_us'])}"
+
+
+def prefill_grid(rows: list[dict]) -> list[str]:
+  """The default's speed-up over cuBLAS and over XLA's bf16 dot, a row per M, a column per
+  (N, K)."""
+  nks = list(dict.fromkeys((r["case"]["N"], r["case"]["K"]) for r in rows))
+  cell = {}
+  for by_impl in cases(rows).values():
+    d = by_impl.get("default")
+    if d is not None:
+      cell[d["case"]["M"], (d["case"]["N"], d["case"]["K"])] = (
+          f"{ratio(by_impl.get('cublas_blockwise'), d)} / {ratio(by_impl.get('xla_bf16'), d)}")
+  lines = ["The default's speed-up over cuBLAS / over XLA's bf16 dot:", "",
+           "| M | " + " | ".join(f"({n}, {k})" for n, k in nks) + " |",
+           "|---|" + "---|" * len(nks)]
+  for m in dict.fromkeys(r["case"]["M"] for r in rows):
+    lines.append(f"| {m} | " + " | ".join(cell.get((m, nk), "-") for nk in nks) + " |")
+  return lines
+
+
 SPECS = {
     "rmsnorm_quant": Spec(
         "Fused add + RMSNorm + per-group FP8 quant (`jf.rmsnorm_quant`)",
@@ -90,6 +117,14 @@ SPECS = {
                  ("vs XLA bf16", field("vs_xla", ratio_like=True))),
         headline=({"M": 1, "N": 7168, "K": 16384}, {"M": 64, "N": 12288, "K": 4096},
                   {"M": 4096, "N": 12288, "K": 4096})),
+    "fp8_matmul_prefill": Spec(
+        "Block-scaled FP8 GEMM at prefill sizes against cuBLAS's blockwise FP8 GEMM "
+        "(`jf.fp8_matmul`, activation already quantised)",
+        summary=(("picks", lambda r, _: r.get("pick") or "-"), ("TFLOP/s", field("tflops", 1)),
+                 ("vs cuBLAS", lambda r, by: ratio(by.get("cublas_blockwise"), r)),
+                 ("vs XLA bf16", lambda r, by: ratio(by.get("xla_bf16"), r)),
+                 ("cuBLAS p10-p90", lambda r, by: spread(by.get("cublas_blockwise")))),
+        headline=({"M": 4096, "N": 7168, "K": 16384},), grid=prefill_grid),
     "moe_gemm": Spec(
         "MoE expert GEMMs (`jf.grouped_fp8_matmul`)",
         summary=(("of copy roofline", field("roofline_frac")),
@@ -233,6 +268,7 @@ def performance_page(docs: dict[str, dict]) -> str:
               + (f" {doc['note']}" if doc.get("note") else ""), ""]
     for rows in runs(doc):
       lines += table(name, doc, rows) + [""]
+      lines += spec.grid(rows) + [""] if spec.grid else []
   lines += [f"{FAILED}: the row's correctness check failed; it gives no ratio.", "", END]
   return "\n".join(wrap(lines))
 
