@@ -288,116 +288,141 @@ def kernel_family(row: dict) -> str | None:
   return re.sub(r"[_.]?\d+", "", max(top, key=top.get)) if top else None
 
 
+# The default last: its kernels name the implementation it picked (`pick`), whose check it shares.
 PREFILL_IMPLS = {
     "xla_bf16": IMPLS["xla_bf16"],
-    "default": lambda x, qa, qw, sw, wb: fp8_matmul(qa, qw, sw),
     **{impl: (lambda x, qa, qw, sw, wb, impl=impl: fp8_matmul(qa, qw, sw, implementation=impl))
        for impl in ("mosaic_gpu", "triton", "pallas", "xla")},
+    "default": lambda x, qa, qw, sw, wb: fp8_matmul(qa, qw, sw),
 }
+KERNELS = ("mosaic_gpu", "triton", "pallas", "xla")
+
+
+def checked(got, want, theirs) -> dict:
+  """A row's checks on the sampled rows: against the reference, and against cuBLAS's float32
+  output (bf16 rounding alone, within 2^-8)."""
+  row = dict(err_vs_reference=rel_rms(got, want))
+  row["correct"] = row["err_vs_reference"] <= TOL
+  if theirs:
+    row["err_vs_cublas"] = rel_rms(got, theirs["out"])
+    row["correct"] &= row["err_vs_cublas"] <= TOL
+  return row
+
+
+def cross_check(qa, qw, sw, step, theirs) -> dict:
+  """The default's float32 output against cuBLAS's: the same product twice, within 1e-4
+  (within two bf16 roundings where cuBLAS gave bf16)."""
+  f32 = theirs["out_dtype"] == "float32"
+  try:
+    mine = fp8_matmul(qa, qw, sw, out_dtype=jnp.float32 if f32 else jnp.bfloat16)[::step]
+  except Exception as e:  # noqa: BLE001  (a kernel without that output dtype: say so, go on)
+    print(f"default with a {theirs['out_dtype']} output: {type(e).__name__}: {str(e)[:300]}")
+    return dict(err_vs_cublas_f32=None)
+  err = rel_rms(np.asarray(mine, np.float32), theirs["out"])
+  return dict(err_vs_cublas_f32=err, correct=err <= (TOL_F32 if f32 else TOL_BF16_PAIR))
+
+
+def prefill_case(m, n, k, seed, impls, theirs) -> dict[str, dict]:
+  """{impl: row fields} of one case: each implementation checked and timed."""
+  gpu = jax.devices()[0].platform == "gpu"
+  calls = prefill_calls(m, n, k)
+  # The slope (a second compile) only where no profiler trace gives kernel time: on CPU.
+  sets = prefill_problem(m, n, k, seed)(calls if gpu else 2 * calls)
+  x, qa, qw, sw, wb = sets[0]
+  step = sample_step(m)
+  want = fp8_matmul(qa.map_leading(lambda t: t[::step]), qw, sw, out_dtype=jnp.float32,
+                    implementation="xla")
+  rows, outs = {}, {}
+  for impl in impls:
+    if impl == "cublas_blockwise":
+      if theirs:
+        rows[impl] = dict(
+            time_us=theirs["time_us"], median_us=theirs["median_us"], p10_us=theirs["p10_us"],
+            p90_us=theirs["p90_us"], calls=theirs["calls"], out_dtype=theirs["out_dtype"],
+            peer=theirs["peer"], kernels_per_call=theirs["kernels_per_call"],
+            top_kernels=theirs["top_kernels"], **checked(theirs["out"], want, None))
+      continue
+    op = PREFILL_IMPLS[impl]
+    try:
+      # The default's check on a GPU is its pick's (the same kernels): one compile fewer.
+      if impl != "default" or not gpu:
+        outs[impl] = np.asarray(op(x, qa, qw, sw, wb)[::step], np.float32)
+      t = _harness.measure(op, lambda count: sets[:count], calls, chain=not gpu)
+    except Unsupported as e:
+      print(f"{m:>5} {n:>6} {k:>6} {impl:>16} declines: {str(e)[:200]}")
+      continue
+    except Exception as e:  # noqa: BLE001  (a kernel that fails to build is a row that failed)
+      print(f"{m:>5} {n:>6} {k:>6} {impl:>16} FAILED: {type(e).__name__}: {str(e)[:300]}")
+      rows[impl] = dict(time_us=None, correct=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+      continue
+    row = rows[impl] = dict(time_us=(t["kernel_s"] or t["chain_s"]) * 1e6, calls=calls,
+                            config=str(HEURISTICS[impl](m, n, k)) if impl in HEURISTICS else None,
+                            kernels_per_call=t["kernels_per_call"],
+                            top_kernels=t.get("top_kernels"))
+    if impl != "default":
+      row.update(checked(outs[impl], want, theirs if impl != "xla_bf16" else None))
+      continue
+    # Its kernels name the pick on a GPU (no trace elsewhere: there, its output bits).
+    fam = kernel_family(row)
+    row["pick"] = next((i for i in KERNELS if i in rows and rows[i]["time_us"] is not None and (
+        kernel_family(rows[i]) == fam if gpu else np.array_equal(outs[i], outs[impl]))), None)
+    if impl not in outs and row["pick"] is None:
+      outs[impl] = np.asarray(op(x, qa, qw, sw, wb)[::step], np.float32)
+    row.update(checked(outs.get(impl, outs.get(row["pick"])), want, theirs))
+    if theirs:
+      check = cross_check(qa, qw, sw, step, theirs)
+      row["correct"] &= check.pop("correct", True)
+      row.update(check)
+  return rows
 
 
 def run_prefill(ms, nks, impls, fp8_peak, bw, bf16, commit, out, tag, budget_s, peer_timeout):
-  """The --prefill rows (module docstring): every case's implementations and cuBLAS."""
-  gpu = jax.devices()[0].platform == "gpu"
+  """The --prefill rows (module docstring), written after every case."""
   # M outermost: a run cut short by the budget loses the largest M, not a shape.
   cases = [(m, n, k) for m in ms for n, k in nks]
-  first = lambda i: prefill_problem(*cases[i], i)(1)[0]
   peer, why = ({}, "not asked for") if "cublas_blockwise" not in impls else cublas_peer(
-      [(*c, torch_calls(*c)) for c in cases], first, peer_timeout)
+      [(*c, torch_calls(*c)) for c in cases], lambda i: prefill_problem(*cases[i], i)(1)[0],
+      peer_timeout)
   if why:
     print(f"cuBLAS column skipped: {why}")
   name = "fp8_matmul_prefill" + (f"_{tag}" if tag else "")
   ceilings = {"copy_tbps": round(bw, 3), "bf16_tflops": round(bf16, 1)}
   rows, start = [], time.perf_counter()
   print(f"{'M':>5} {'N':>6} {'K':>6} {'impl':>16} {'us':>9} {'TFLOP/s':>8} {'vs_bf16':>7} "
-        f"{'vs_cuBLAS':>9} {'err_ref':>8} {'err_cuBLAS':>10}")
+        f"{'vs_cuBLAS':>9} {'err_ref':>8} {'err_cuBLAS':>10} pick")
   for i, (m, n, k) in enumerate(cases):
     if time.perf_counter() - start > budget_s:
-      print(f"budget of {budget_s:.0f} s spent: cases {cases[i:]} not run")
+      print(f"budget of {budget_s:.0f} s spent: cases (M, N, K) {cases[i:]} not run")
       break
-    calls = prefill_calls(m, n, k)
-    # The slope (a second compile) only where no profiler trace gives kernel time: on CPU.
-    sets = prefill_problem(m, n, k, i)(calls if gpu else 2 * calls)
-    x, qa, qw, sw, wb = sets[0]
-    step = sample_step(m)
-    want = fp8_matmul(qa.map_leading(lambda t: t[::step]), qw, sw, out_dtype=jnp.float32,
-                      implementation="xla")
-    flops = 2 * m * n * k
-    kb = -(-k // 128)
-    nbytes = n * k + (-(-n // 128)) * kb * 4 + m * k + m * kb * 4 + m * n * 2
-    floor = max(flops / (fp8_peak * 1e12), nbytes / (bw * 1e12))
     theirs = peer.get(i)
     if theirs and "error" in theirs:
       print(f"cuBLAS declined M={m} N={n} K={k}: {theirs['error']}")
       theirs = None
-    case_rows, outs = {}, {}
-    for impl in impls:
-      if impl == "cublas_blockwise":
-        if theirs:
-          got = theirs["out"]
-          err = rel_rms(got, want)
-          case_rows[impl] = dict(
-              time_us=theirs["time_us"], median_us=theirs["median_us"], p10_us=theirs["p10_us"],
-              p90_us=theirs["p90_us"], calls=theirs["calls"], err_vs_reference=err,
-              correct=bool(err <= TOL), out_dtype=theirs["out_dtype"], peer=theirs["peer"],
-              kernels_per_call=theirs["kernels_per_call"], top_kernels=theirs["top_kernels"])
-        continue
-      op = PREFILL_IMPLS[impl]
-      try:
-        got = np.asarray(op(x, qa, qw, sw, wb)[::step], np.float32)
-      except Unsupported as e:
-        print(f"{m:>5} {n:>6} {k:>6} {impl:>16} declines: {str(e)[:160]}")
-        continue
-      outs[impl] = got
-      err = rel_rms(got, want)
-      t = _harness.measure(op, lambda count: sets[:count], calls, chain=not gpu)
-      row = dict(time_us=(t["kernel_s"] or t["chain_s"]) * 1e6, calls=calls,
-                 err_vs_reference=err, correct=bool(err <= TOL),
-                 config=str(HEURISTICS[impl](m, n, k)) if impl in HEURISTICS else None,
-                 kernels_per_call=t["kernels_per_call"], top_kernels=t.get("top_kernels"))
-      if theirs and impl != "xla_bf16":
-        # bf16 against cuBLAS's float32: the bf16 rounding alone, within 2^-8.
-        row["err_vs_cublas"] = rel_rms(got, theirs["out"])
-        row["correct"] &= bool(row["err_vs_cublas"] <= TOL)
-      case_rows[impl] = row
-    default = case_rows.get("default")
-    if default is not None:
-      # Where the default's kernels are one implementation's (on a GPU), else its output bits.
-      fam = kernel_family(default)
-      default["pick"] = next(
-          (i for i, r in case_rows.items() if i not in ("default", "xla_bf16", "cublas_blockwise")
-           and (kernel_family(r) == fam if fam else np.array_equal(outs[i], outs["default"]))),
-          None)
-      if theirs:
-        # The issue's cross-check: two float32 outputs of the same product, within 1e-4
-        # (within two bf16 roundings where cuBLAS gave bf16).
-        f32 = theirs["out_dtype"] == "float32"
-        dtype = jnp.float32 if f32 else jnp.bfloat16
-        try:
-          mine = np.asarray(fp8_matmul(qa, qw, sw, out_dtype=dtype)[::step], np.float32)
-          default["err_vs_cublas"] = rel_rms(mine, theirs["out"])
-          default["err_vs_cublas_dtype"] = theirs["out_dtype"]
-          default["correct"] &= bool(default["err_vs_cublas"] <= (TOL_F32 if f32
-                                                                   else TOL_BF16_PAIR))
-        except Exception as e:  # noqa: BLE001  (a kernel without that output dtype: say so)
-          default["err_vs_cublas"] = None
-          print(f"default with out_dtype={dtype.dtype}: {type(e).__name__}: {str(e)[:200]}")
+    t0 = time.perf_counter()
+    case_rows = prefill_case(m, n, k, i, impls, theirs)
+    flops = 2 * m * n * k
+    kb = -(-k // 128)
+    nbytes = n * k + (-(-n // 128)) * kb * 4 + m * k + m * kb * 4 + m * n * 2
+    floor = max(flops / (fp8_peak * 1e12), nbytes / (bw * 1e12))
     base = case_rows.get("xla_bf16", {}).get("time_us")
     peer_us = case_rows.get("cublas_blockwise", {}).get("time_us")
     for impl, r in case_rows.items():
-      sec = r["time_us"] * 1e-6
+      us = r.pop("time_us")
+      speed = lambda ref: round(ref / us, 3) if ref and us else None
       rows.append(dict(
-          case=dict(M=m, N=n, K=k), impl=impl, time_us=round(r.pop("time_us"), 3),
-          tflops=round(flops / sec / 1e12, 1), roofline_frac=round(floor / sec, 3),
-          vs_xla=round(base * 1e-6 / sec, 3) if base else None,
-          vs_cublas=round(peer_us * 1e-6 / sec, 3) if peer_us else None,
-          **{key: float(f"{v:.3g}") if key.startswith("err") and isinstance(v, float) else v
-             for key, v in r.items()}))
+          case=dict(M=m, N=n, K=k), impl=impl, time_us=us and round(us, 3),
+          tflops=us and round(flops / us / 1e6, 1), roofline_frac=us and round(floor * 1e6 / us, 3),
+          vs_xla=speed(base), vs_cublas=speed(peer_us),
+          **{key: (float(f"{v:.3g}") if key.startswith("err") and isinstance(v, float) else
+                   bool(v) if key == "correct" else v) for key, v in r.items()}))
       row = rows[-1]
-      print(f"{m:>5} {n:>6} {k:>6} {impl:>16} {row['time_us']:9.2f} {row['tflops']:8.1f} "
-            f"{row['vs_xla'] or 0:7.3f} {row['vs_cublas'] or 0:9.3f} "
-            f"{row['err_vs_reference']:8.2e} {row.get('err_vs_cublas') or 0:10.2e} "
+      fmt = lambda v, spec: "-".rjust(int(spec.split(".")[0])) if v is None else format(v, spec)
+      print(f"{m:>5} {n:>6} {k:>6} {impl:>16} {fmt(row['time_us'], '9.2f')} "
+            f"{fmt(row['tflops'], '8.1f')} {fmt(row['vs_xla'], '7.3f')} "
+            f"{fmt(row['vs_cublas'], '9.3f')} {fmt(row.get('err_vs_reference'), '8.2e')} "
+            f"{fmt(row.get('err_vs_cublas_f32', row.get('err_vs_cublas')), '10.2e')} "
             f"{row.get('pick') or ''} {'' if row['correct'] else 'CHECK FAILED'}", flush=True)
+    print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
     _harness.write_results(name, rows, ceilings, commit, out)
   return rows
 
@@ -454,7 +479,7 @@ def main():
     return run_sweep(args.sweep_impl, (1,) if args.smoke else args.ms or SWEEP_MS, nks,
                      fp8_peak, bw, args.commit, args.out, args.tag)
   if args.prefill:
-    return run_prefill(ms, nks, list(dict.fromkeys(impls)), fp8_peak, bw, bf16, args.commit,
+    return run_prefill(ms, nks, [i for i in ["cublas_blockwise", *PREFILL_IMPLS] if i in impls], fp8_peak, bw, bf16, args.commit,
                        args.out, args.tag, args.budget_s, args.peer_timeout)
   print(__doc__.split("\n\n")[1])
   rows = []
