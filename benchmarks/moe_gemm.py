@@ -15,6 +15,11 @@ Bytes per call = the distinct experts' fp8 weights (U * N * K) + their scales + 
 and bf16 outputs; roofline = bytes / copy bandwidth measured in the same run. Weights are fresh
 per call (a model reads each layer's experts once), so L2 does not serve them.
 
+No cuBLAS column: PyTorch's grouped FP8 GEMM (`scaled_grouped_mm`) takes row-wise and MX
+scales, not the 1x128 / 128x128 blocks (`benchmarks/_cublas.py --probe` tries one), and a loop
+of per-expert `scaled_mm` calls pays a launch per expert that one grouped launch does not, so
+it is no fair peer; fp8_matmul.py --prefill holds one expert's GEMM to cuBLAS.
+
 Run: python benchmarks/moe_gemm.py [--ms 1 8] [--experts 16] [--topk 8] [--out DIR]
      [--commit SHA] [--impls grouped pallas ...] [--tag T] [--smoke]
 --tag suffixes the results file (moe_gemm_<tag>.json).
