@@ -13,7 +13,9 @@ from jfusedq.fp8 import Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.nn.weights import quantize_weight
 from jfusedq.ops.fp8_matmul import fp8_matmul, grouped_fp8_matmul
 
-_default_init = nnx.initializers.lecun_normal()
+# Fan-in from the in axis of the `[out, in]` weight: lecun_normal's defaults (in_axis=-2) read
+# out_features, which gave a wide-out layer such as an LM head outputs of std sqrt(in / out).
+_default_init = nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2)
 
 
 def check_sizes(layer: str, **sizes) -> None:
@@ -56,11 +58,13 @@ class Fp8Linear(nnx.Module):
   (the Hugging Face names). x may be bf16 (quantised per 1 x 128 group on the fly), or a
   `QuantizedActivation` from a fused norm (its fp8 part is used; `hp` is ignored):
     y[m, n] = sum_kb (q_x[m, kb] . q_w[n, kb]) * s_x[m, kb] * s_w[n // 128, kb].
+  `ue8m0`: a bf16 x is quantised with power-of-two scales s_x (UE8M0, DESIGN.md 3.1).
   """
 
   def __init__(self, in_features: int, out_features: int, *, fmt: Fp8Format | str | None = None,
-               dtype=jnp.bfloat16, param_dtype=jnp.float32, kernel_init=_default_init,
-               implementation: str | Sequence[str] | None = None, rngs: nnx.Rngs):
+               ue8m0: bool = False, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+               kernel_init=_default_init, implementation: str | Sequence[str] | None = None,
+               rngs: nnx.Rngs):
     check_sizes("Fp8Linear", in_features=in_features, out_features=out_features)
     # Initialised in param_dtype, then quantised: the fp8 weight is what the layer holds.
     w = kernel_init(rngs.params(), (out_features, in_features), param_dtype)
@@ -68,13 +72,13 @@ class Fp8Linear(nnx.Module):
     self.weight = nnx.Param(q)
     self.weight_scale_inv = nnx.Param(s)
     self.in_features, self.out_features = in_features, out_features
-    self.dtype = dtype
+    self.ue8m0, self.dtype = ue8m0, dtype
     self.implementation = implementation
 
   def __call__(self, x: jax.Array | QuantizedActivation) -> jax.Array:
     check_input("Fp8Linear", x, self.weight.shape[-1])
     return fp8_matmul(x, self.weight[...], self.weight_scale_inv[...], out_dtype=self.dtype,
-                      implementation=self.implementation)
+                      ue8m0=self.ue8m0, implementation=self.implementation)
 
 
 class Linear(nnx.Module):
@@ -108,13 +112,13 @@ class StackedLinear(nnx.Module):
   ceil(K/128)]` f32, the block-scaled GEMM of every expert in one `grouped_fp8_matmul` (which
   reads the weights in place: mapping `fp8_matmul` over experts sliced a copy of each); else
   `weight` in param_dtype, read with the input's high-precision copy. `__call__`: every expert
-  on every row; `gathered`: only the experts `idx` picks per row.
+  on every row; `gathered`: only the experts `idx` picks per row. `ue8m0`: as for Fp8Linear.
   """
 
   def __init__(self, num: int, in_features: int, out_features: int, *,
-               fmt: Fp8Format | None, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-               kernel_init=_scaled_normal, implementation: str | Sequence[str] | None = None,
-               rngs: nnx.Rngs):
+               fmt: Fp8Format | None, ue8m0: bool = False, dtype=jnp.bfloat16,
+               param_dtype=jnp.bfloat16, kernel_init=_scaled_normal,
+               implementation: str | Sequence[str] | None = None, rngs: nnx.Rngs):
     check_sizes("StackedLinear", num=num, in_features=in_features, out_features=out_features)
     w = kernel_init(rngs.params(), (num, out_features, in_features), jnp.float32)
     if fmt is not None:
@@ -122,11 +126,12 @@ class StackedLinear(nnx.Module):
       self.weight, self.weight_scale_inv = nnx.Param(q), nnx.Param(s)
     else:
       self.weight, self.weight_scale_inv = nnx.Param(w.astype(param_dtype)), None
-    self.fmt, self.dtype, self.implementation = fmt, dtype, implementation
+    self.fmt, self.ue8m0, self.dtype, self.implementation = fmt, ue8m0, dtype, implementation
 
   def _grouped(self, a, ids=None):
     return grouped_fp8_matmul(a, self.weight[...], self.weight_scale_inv[...], ids,
-                              out_dtype=self.dtype, implementation=self.implementation)
+                              out_dtype=self.dtype, ue8m0=self.ue8m0,
+                              implementation=self.implementation)
 
   def _dense(self, x, w, spec: str) -> jax.Array:
     y = jnp.einsum(spec, high_precision(x).astype(self.dtype), w.astype(self.dtype),

@@ -28,14 +28,15 @@ class RMSNorm(nnx.Module):
   with `quant=True` it is a `QuantizedActivation` (q `[..., H]` fp8, scale `[..., ceil(H/G)]`,
   plus `hp` = y in `dtype` when `keep_hp`) made by the fused `rmsnorm_quant` kernel, or with
   `axis_name` by `jfusedq.parallel.allreduce_rmsnorm_quant` (psum + add + norm + quant as one
-  step, its strategy chosen by `ar_strategy`). Returns y alone without a residual, `(y, h)`
+  step, its strategy chosen by `ar_strategy`); `ue8m0` rounds its scales up to powers of two
+  (UE8M0, DESIGN.md 3.1). Returns y alone without a residual, `(y, h)`
   with one, like SGLang's RMSNorm (h is the new residual). Call it inside `jax.shard_map` over
   `axis_name` when that is set.
   """
 
   def __init__(self, num_features: int, *, eps: float = 1e-6, weight_offset: float = 0.0,
                quant: bool = False, keep_hp: bool = False, fmt: Fp8Format | str | None = None,
-               group_size: int = BLOCK, axis_name: str | None = None,
+               group_size: int = BLOCK, ue8m0: bool = False, axis_name: str | None = None,
                ar_strategy: str | Sequence[str] | None = None, dtype=jnp.bfloat16,
                param_dtype=jnp.bfloat16, scale_init=nnx.initializers.ones,
                implementation: str | Sequence[str] | None = None, rngs: nnx.Rngs):
@@ -45,6 +46,7 @@ class RMSNorm(nnx.Module):
     self.weight = nnx.Param(scale_init(rngs.params(), (num_features,), param_dtype))
     self.eps, self.weight_offset = float(eps), float(weight_offset)
     self.quant, self.keep_hp, self.fmt, self.group_size = quant, keep_hp, fmt, group_size
+    self.ue8m0 = ue8m0
     self.axis_name = axis_name
     self.ar_strategy = tuple(ar_strategy) if isinstance(ar_strategy, list) else ar_strategy
     self.dtype = dtype
@@ -66,15 +68,15 @@ class RMSNorm(nnx.Module):
       y, h = allreduce_rmsnorm_quant(x, residual, w, axis_name=self.axis_name, eps=self.eps,
                                      weight_offset=self.weight_offset,
                                      group_size=self.group_size, fmt=self.fmt,
-                                     keep_bf16=keep_hp, strategy=self.ar_strategy,
+                                     ue8m0=self.ue8m0, keep_bf16=keep_hp, strategy=self.ar_strategy,
                                      implementation=self.implementation)
       return y if residual is None else (y, h)
     if self.axis_name is not None:
       x = lax.psum(x, self.axis_name)
     if quant:
       out = rmsnorm_quant(x, w, residual=residual, eps=self.eps, weight_offset=self.weight_offset,
-                          group_size=self.group_size, fmt=self.fmt, keep_hp=keep_hp,
-                          implementation=self.implementation)
+                          group_size=self.group_size, fmt=self.fmt, ue8m0=self.ue8m0,
+                          keep_hp=keep_hp, implementation=self.implementation)
       y = out.quant
     else:
       out = rmsnorm(x, w, residual=residual, eps=self.eps, weight_offset=self.weight_offset,
@@ -95,5 +97,5 @@ class RMSNorm(nnx.Module):
     out = rmsnorm_quant(x.astype(self.dtype), self.weight[...], x2=x2.astype(second.dtype),
                         weight2=second.weight[...], eps=self.eps, eps2=second.eps,
                         weight_offset=self.weight_offset, group_size=self.group_size,
-                        fmt=self.fmt, implementation=self.implementation)
+                        fmt=self.fmt, ue8m0=self.ue8m0, implementation=self.implementation)
     return out.quant, out.norm2

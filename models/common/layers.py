@@ -24,8 +24,8 @@ Impl = str | Sequence[str] | None
 class Options:
   """Build options shared by every module of a model (static, hashable).
 
-  quant: FP8 projections (format, and the Hugging Face `modules_to_not_convert` that stay in
-    high precision), or None for the unquantised path.
+  quant: FP8 projections (format, power-of-two activation scales or not, and the Hugging Face
+    `modules_to_not_convert` that stay in high precision), or None for the unquantised path.
   dtype: activations and the residual stream; param_dtype: high-precision parameters.
   tp_axis: the mesh axis of tensor parallelism (the model then runs inside `jax.shard_map`
     over it, see `tp_apply`), or None.
@@ -49,6 +49,11 @@ class Options:
     tup = lambda v: tuple(v) if isinstance(v, list) else v
     return cls(quant, dtype, param_dtype, tp_axis, tup(ar_strategy), tup(implementation))
 
+  @property
+  def ue8m0(self) -> bool:
+    """Whether activations are quantised with power-of-two (UE8M0) scales."""
+    return self.quant is not None and self.quant.ue8m0
+
   def quantizes(self, *modules: str) -> bool:
     """Whether every one of `modules` (full Hugging Face names) is an FP8 projection."""
     return self.quant is not None and all(self.quant.quantizes(m) for m in modules)
@@ -57,8 +62,8 @@ class Options:
     """Fp8Linear when every one of `modules` (HF names of what it computes) is quantised, else
     a high-precision Linear."""
     if self.quantizes(*modules):
-      return Fp8Linear(in_features, out_features, fmt=self.quant.fmt, dtype=self.dtype,
-                       implementation=self.implementation, rngs=rngs)
+      return Fp8Linear(in_features, out_features, fmt=self.quant.fmt, ue8m0=self.ue8m0,
+                       dtype=self.dtype, implementation=self.implementation, rngs=rngs)
     return Linear(in_features, out_features, dtype=self.dtype, param_dtype=self.param_dtype,
                   rngs=rngs)
 
@@ -69,7 +74,7 @@ class Options:
     (`weight_offset=1`, y * (1 + w)) start at w = 0."""
     init = nnx.initializers.zeros if weight_offset else nnx.initializers.ones
     return RMSNorm(features, eps=eps, weight_offset=weight_offset,
-                   fmt=None if self.quant is None else self.quant.fmt,
+                   fmt=None if self.quant is None else self.quant.fmt, ue8m0=self.ue8m0,
                    axis_name=self.tp_axis if reduce else None, ar_strategy=self.ar_strategy,
                    dtype=self.dtype, param_dtype=self.param_dtype, scale_init=init,
                    implementation=self.implementation, rngs=rngs)

@@ -161,7 +161,7 @@ class Experts(nnx.Module):
   def __init__(self, cfg: DeepseekV3Config, name: str, opts: Options, *, rngs: nnx.Rngs):
     e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
     fmt = opts.quant.fmt if opts.quantizes(f"{name}.experts") else None
-    kw = dict(fmt=fmt, dtype=opts.dtype, param_dtype=opts.param_dtype,
+    kw = dict(fmt=fmt, ue8m0=opts.ue8m0, dtype=opts.dtype, param_dtype=opts.param_dtype,
               implementation=opts.implementation, rngs=rngs)
     self.gate_proj = StackedLinear(e, h, i, **kw)
     self.up_proj = StackedLinear(e, h, i, **kw)
@@ -302,7 +302,7 @@ class MLA(nnx.Module):
     dn, lkv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
     if is_fp8(self.kv_b_proj):
       kq = group_quant(kv, group_size=BLOCK, fmt=activation_format(self.kv_b_proj.weight.dtype),
-                       implementation=self.implementation)
+                       ue8m0=self.kv_b_proj.ue8m0, implementation=self.implementation)
       new = (kq.q, kq.row_scale())
       w = dequantize_weight(self.kv_b_proj.weight[...], self.kv_b_proj.weight_scale_inv[...])
     else:

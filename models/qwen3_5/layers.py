@@ -234,8 +234,8 @@ class SparseMoe(nnx.Module):
               for p in ("gate_proj", "up_proj", "down_proj"))
     fmt = opts.quant.fmt if fp8 else None
     init = nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=(0,))
-    kw = dict(fmt=fmt, dtype=opts.dtype, param_dtype=opts.param_dtype, kernel_init=init,
-              implementation=opts.implementation, rngs=rngs)
+    kw = dict(fmt=fmt, ue8m0=opts.ue8m0, dtype=opts.dtype, param_dtype=opts.param_dtype,
+              kernel_init=init, implementation=opts.implementation, rngs=rngs)
     self.experts_gate = StackedLinear(e, h, inter, **kw)
     self.experts_up = StackedLinear(e, h, inter, **kw)
     self.experts_down = StackedLinear(e, inter, h, **kw)

@@ -89,3 +89,16 @@ def test_linear_uses_hp_and_requires_it():
     layer(QuantizedActivation(quant.q, quant.scale))
   with_bias = Linear(384, 64, use_bias=True, rngs=nnx.Rngs(1))
   assert with_bias(x).shape == (4, 64)
+
+
+@pytest.mark.parametrize("layer", [Linear, Fp8Linear])
+@pytest.mark.parametrize("n, k", [(4096, 64), (64, 4096)], ids=["wide_out", "wide_in"])
+def test_default_init_keeps_the_input_scale(layer, n, k):
+  """The default initialiser takes the fan-in from the in axis of the `[out, in]` weight, so a
+  unit-variance input gives outputs of std ~1 whatever the shape (an LM head's logits); fan-in
+  from the out axis gave std sqrt(k / n): 0.125 and 8 here."""
+  kw = dict(fmt="e4m3fn") if layer is Fp8Linear else {}
+  lin = layer(k, n, rngs=nnx.Rngs(0), **kw)
+  x = jnp.asarray(rng("init", n, k).standard_normal((64, k)), jnp.bfloat16)
+  std = float(np.asarray(lin(x), np.float32).std())
+  assert 0.8 < std < 1.2, std
