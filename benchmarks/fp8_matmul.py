@@ -479,8 +479,9 @@ def main():
     return run_sweep(args.sweep_impl, (1,) if args.smoke else args.ms or SWEEP_MS, nks,
                      fp8_peak, bw, args.commit, args.out, args.tag)
   if args.prefill:
-    return run_prefill(ms, nks, [i for i in ["cublas_blockwise", *PREFILL_IMPLS] if i in impls], fp8_peak, bw, bf16, args.commit,
-                       args.out, args.tag, args.budget_s, args.peer_timeout)
+    order = [i for i in ["cublas_blockwise", *PREFILL_IMPLS] if i in impls]
+    return run_prefill(ms, nks, order, fp8_peak, bw, bf16, args.commit, args.out, args.tag,
+                       args.budget_s, args.peer_timeout)
   print(__doc__.split("\n\n")[1])
   rows = []
   cases = [(m, n, k) for (n, k) in nks for m in ms]

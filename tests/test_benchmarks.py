@@ -1,11 +1,14 @@
 """Every benchmark's `--smoke` run on CPU: device time goes only to scripts that run, and whose
 correctness checks pass on tiny shapes."""
 
+import enum
+import importlib.util
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -39,3 +42,83 @@ def test_idle_gaps():
   # a kernel inside a longer one on another stream leaves no gap of its own
   assert idle_gaps([(0, 100, "long"), (10, 20, "short"), (110, 120, "x")]) == {"long -> x": 10}
   assert idle_gaps([]) == {} and idle_gaps([(3, 9, "a")]) == {}
+
+
+def test_prefill_smoke(tmp_path):
+  """--prefill on CPU: the rows and fields fp8_matmul_prefill.json holds; cuBLAS's column is
+  skipped with its reason (no torch here, or no CUDA GPU)."""
+  proc = subprocess.run(
+      [sys.executable, str(BENCHMARKS / "fp8_matmul.py"), "--prefill", "--smoke", "--out",
+       str(tmp_path)], env=dict(os.environ), capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  why = ("torch is not installed" if importlib.util.find_spec("torch") is None
+         else "cuBLAS needs a CUDA GPU")
+  assert f"cuBLAS column skipped: {why}" in proc.stdout
+  doc = json.loads((tmp_path / "fp8_matmul_prefill.json").read_text())
+  assert doc["benchmark"] == "fp8_matmul_prefill" and set(doc["ceilings"]) == {"copy_tbps",
+                                                                               "bf16_tflops"}
+  rows = doc["rows"]
+  assert {r["impl"] for r in rows} == {"xla_bf16", "xla", "default"}
+  assert len({json.dumps(r["case"]) for r in rows}) == 2
+  for r in rows:
+    assert set(r["case"]) == {"M", "N", "K"} and r["correct"], r
+    assert {"time_us", "tflops", "vs_xla", "vs_cublas", "err_vs_reference", "calls"} <= set(r)
+  assert all(r["pick"] == "xla" for r in rows if r["impl"] == "default")
+
+
+# A stand-in for _cublas.py with the same files in and out, the product in float64 numpy: the
+# operands fp8_matmul.py writes (codes, scales, their orientation) and its checks of what comes
+# back, on CPU. It writes no timing anyone reads: the rows it makes stay in this test.
+STAND_IN = textwrap.dedent("""
+    import json, os, sys
+    import ml_dtypes, numpy as np
+    d = sys.argv[1]
+    res = {"peer": "numpy stand-in", "cases": {}}
+    for c in json.load(open(os.path.join(d, "cases.json")))["cases"]:
+      part = lambda p: np.load(os.path.join(d, f"{c['id']}_{p}.npy"))
+      code = lambda p: part(p).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+      a, w, k = code("a"), code("w"), c["K"]
+      a = a * np.repeat(part("a_scale"), 128, axis=1)[:, :k]
+      w = w * np.repeat(np.repeat(part("w_scale"), 128, axis=0), 128, axis=1)[:c["N"], :k]
+      np.save(os.path.join(d, f"{c['id']}_out.npy"), (a @ w.T)[::c["step"]].astype(np.float32))
+      res["cases"][str(c["id"])] = dict(time_us=1.0, median_us=1.0, p10_us=1.0, p90_us=1.0,
+                                        calls=c["calls"], kernels_per_call=1.0,
+                                        out_dtype="float32", top_kernels={})
+    json.dump(res, open(os.path.join(d, "results.json"), "w"))
+""")
+
+
+def test_peer_protocol(tmp_path, monkeypatch):
+  """The operands fp8_matmul.py hands the torch side and its checks of the output: partial N and
+  K blocks, and M past 256 (sampled rows)."""
+  sys.path.insert(0, str(BENCHMARKS))
+  import fp8_matmul as bench
+  stand_in = tmp_path / "stand_in.py"
+  stand_in.write_text(STAND_IN)
+  monkeypatch.setattr(bench, "CUBLAS", str(stand_in))
+  monkeypatch.setattr(bench, "cublas_unavailable", lambda: None)
+  cases = [(600, 200, 300), (3, 256, 384)]
+  peer, why = bench.cublas_peer([(*c, 8) for c in cases],
+                                lambda i: bench.prefill_problem(*cases[i], i)(1)[0], 300)
+  assert why is None and sorted(peer) == [0, 1]
+  assert peer[0]["out"].shape == (300, 200)  # every second row of M = 600
+  for i, (m, n, k) in enumerate(cases):
+    rows = bench.prefill_case(m, n, k, i, ["cublas_blockwise", "xla", "default"], peer[i])
+    assert rows["cublas_blockwise"]["err_vs_reference"] < 1e-6, rows
+    assert rows["default"]["err_vs_cublas_f32"] < 1e-6 and rows["default"]["pick"] == "xla"
+    assert all(r["correct"] for r in rows.values()), rows
+
+
+def test_scaling_names():
+  """The torch side finds a scaling type however a release spells it."""
+  sys.path.insert(0, str(BENCHMARKS))
+  import _cublas
+  for names in (["TensorWise", "BlockWise1x128", "BlockWise128x128"],
+                ["Tensorwise", "Blockwise_1x128", "Blockwise_128x128"]):
+    kind = enum.Enum("ScalingType", names)
+    assert _cublas.member(kind, "BlockWise1x128").name == names[1]
+    assert _cublas.member(kind, "BlockWise128x128").name == names[2]
+  with pytest.raises(RuntimeError, match="no BlockWise1x128"):
+    _cublas.member(enum.Enum("ScalingType", ["RowWise"]), "BlockWise1x128")
+  assert _cublas.spread([1.0, 2.0]) == {"median_us": None, "p10_us": None, "p90_us": None}
+  assert _cublas.spread([float(i) for i in range(1, 12)])["median_us"] == 6.0

@@ -19,11 +19,15 @@ def test_pages_are_current():
   assert report.main(["--check"]) == 0
 
 
+# Results of a script's mode, named after the script and the mode.
+MODES = {"fp8_matmul_prefill": "fp8_matmul"}  # fp8_matmul.py --prefill
+
+
 def test_one_file_per_benchmark():
-  """results/ holds one JSON per benchmark script, named after it."""
+  """results/ holds one JSON per benchmark script (or mode of one), named after it."""
   names = sorted(p.stem for p in (ROOT / "benchmarks/results").iterdir())
   assert names and all(p.suffix == ".json" for p in (ROOT / "benchmarks/results").iterdir())
-  assert all((ROOT / "benchmarks" / f"{name}.py").exists() for name in names)
+  assert all((ROOT / "benchmarks" / f"{MODES.get(name, name)}.py").exists() for name in names)
   for name in names:
     doc = json.loads((ROOT / "benchmarks/results" / f"{name}.json").read_text())
     assert doc["benchmark"] == name
@@ -98,6 +102,28 @@ def test_decode_speed_up_is_unfused_over_fused(tmp_path):
   report.main(args)
   page = (tmp_path / "page.md").read_text()
   assert "| 110.0 / 120.0 | **100.0 / 100.0** | fused | 1.100x | 1.200x | 10 -> 8 | - |" in page
+
+
+def test_prefill_speed_ups(tmp_path):
+  """The prefill table: the default's speed-up over cuBLAS and XLA bf16 per cell, its pick, and
+  no ratio against a cuBLAS row that failed its check."""
+  def row(impl, time_us, m, **extra):
+    return {"case": {"M": m, "N": 2112, "K": 7168}, "impl": impl, "time_us": time_us,
+            "tflops": 1.0, "correct": True, **extra}
+  rows = [row("cublas_blockwise", 12.0, 256, p10_us=11.5, p90_us=12.5), row("xla_bf16", 20.0, 256),
+          row("mosaic_gpu", 10.0, 256), row("default", 10.0, 256, pick="mosaic_gpu"),
+          row("cublas_blockwise", 30.0, 4096, correct=False), row("xla_bf16", 20.0, 4096),
+          row("mosaic_gpu", 25.0, 4096), row("default", 25.0, 4096, pick="mosaic_gpu")]
+  args = _write(tmp_path, {"fp8_matmul_prefill": _doc(rows, benchmark="fp8_matmul_prefill")})
+  report.main(args)
+  page = (tmp_path / "page.md").read_text()
+  assert ("| 256 | 12.00 | 20.00 | 10.00 | **10.00** | mosaic_gpu | 1.0 | 1.200x | 2.000x "
+          "| 11.50-12.50 |") in page
+  assert f"| 4096 | 30.00 {report.FAILED} |" in page and f"| {report.FAILED} | 0.800x | - |" in page
+  assert "| M | (2112, 7168) |" in page and "| 256 | 1.200x / 2.000x |" in page
+  assert f"| 4096 | {report.FAILED} / 0.800x |" in page
+  readme = (tmp_path / "readme.md").read_text()
+  assert "fp8_matmul_prefill" not in readme  # its headline case (M = 4096, (7168, 16384)) absent
 
 
 def test_missing_markers(tmp_path):
