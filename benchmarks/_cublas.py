@@ -71,12 +71,16 @@ def layout(torch, a, a_scale, w, w_scale):
 
   a `[M, K]` / w `[N, K]` uint8 codes, a_scale `[M, kb]` / w_scale `[nb, kb]` float32 (torch
   tensors on the device)."""
-  kb = a_scale.shape[1]
+  (m, kb), nb = a_scale.shape, w_scale.shape[0]
   l4 = -(-kb // 4) * 4
   mat_a = a.clone().view(torch.float8_e4m3fn)
   mat_b = w.clone().view(torch.float8_e4m3fn).t()
-  scale_a = a_scale.t().contiguous().t()
-  scale_b = torch.nn.functional.pad(w_scale, (0, l4 - kb)).t()
+  # Strides set outright: `.t().contiguous().t()` keeps (kb, 1) at M = 1 (a size-1 axis counts
+  # as contiguous either way), which scaled_mm's stride check rejects.
+  scale_a = torch.empty_strided((m, kb), (1, m), dtype=torch.float32, device=a.device)
+  scale_a.copy_(a_scale)
+  scale_b = torch.empty_strided((l4, nb), (1, l4), dtype=torch.float32, device=w.device).zero_()
+  scale_b[:kb].copy_(w_scale.t())
   return mat_a, mat_b, scale_a, scale_b
 
 

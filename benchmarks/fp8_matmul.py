@@ -36,7 +36,8 @@ the default with a float32 output against cuBLAS's within 1e-4 (two bf16 roundin
 cuBLAS gave bf16). `time_us` is the mean kernel time per call on both sides; cuBLAS's rows add
 the median and p10 / p90 per call. Ours take 2-4 input sets a jit (`prefill_calls`), cuBLAS 8-32
 copies (`torch_calls`). --budget-s bounds the timing loop (M outermost: a run cut short loses
-the largest M); --peer-timeout the torch process.
+the largest M); --peer-timeout the torch process. --merge FILE carries FILE's rows for what
+this run does not measure (a comparison run in parts, e.g. --ms 256 1024 then --ms 4096 16384).
 
 Run: python benchmarks/fp8_matmul.py [--ms 1 4096 ...] [--nks NxK ...] [--extra triton mosaic_gpu]
      [--out DIR] [--commit SHA] [--tag T] [--smoke] [--sweep [--sweep-impl triton]] [--cublas]
@@ -376,7 +377,21 @@ def prefill_case(m, n, k, seed, impls, theirs) -> dict[str, dict]:
   return rows
 
 
-def run_prefill(ms, nks, impls, fp8_peak, bw, bf16, commit, out, tag, budget_s, peer_timeout):
+def merged(rows: list[dict], path: str | None) -> list[dict]:
+  """`rows`, then those of the results file at `path` for every (case, impl) they lack, each
+  keeping its own run's commit, date and ceilings (--merge: a comparison run in parts)."""
+  if not path:
+    return rows
+  with open(path) as f:
+    doc = json.load(f)
+  have = {(json.dumps(r["case"], sort_keys=True), r["impl"]) for r in rows}
+  return rows + [{"commit": doc["commit"], "date": doc["date"], "ceilings": doc["ceilings"], **r}
+                 for r in doc["rows"]
+                 if (json.dumps(r["case"], sort_keys=True), r["impl"]) not in have]
+
+
+def run_prefill(ms, nks, impls, fp8_peak, bw, bf16, commit, out, tag, budget_s, peer_timeout,
+                merge=None):
   """The --prefill rows (module docstring), written after every case."""
   # M outermost: a run cut short by the budget loses the largest M, not a shape.
   cases = [(m, n, k) for m in ms for n, k in nks]
@@ -423,7 +438,8 @@ def run_prefill(ms, nks, impls, fp8_peak, bw, bf16, commit, out, tag, budget_s, 
             f"{fmt(row.get('err_vs_cublas_f32', row.get('err_vs_cublas')), '10.2e')} "
             f"{row.get('pick') or ''} {'' if row['correct'] else 'CHECK FAILED'}", flush=True)
     print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
-    _harness.write_results(name, rows, ceilings, commit, out)
+    rows.sort(key=lambda r: r["case"]["M"])  # stable: the shapes' order within an M
+    _harness.write_results(name, merged(rows, merge), ceilings, commit, out)
   return rows
 
 
@@ -448,10 +464,13 @@ def main():
   ap.add_argument("--prefill", action="store_true",
                   help=f"the prefill comparison (docstring): M {PREFILL_MS}, every projection "
                        "and expert shape, fp8_matmul_prefill.json")
-  ap.add_argument("--budget-s", type=float, default=200.0,
+  ap.add_argument("--budget-s", type=float, default=170.0,
                   help="--prefill: start no case after this many seconds of the timing loop")
-  ap.add_argument("--peer-timeout", type=float, default=150.0,
+  ap.add_argument("--peer-timeout", type=float, default=90.0,
                   help="seconds the torch process may take over all cases")
+  ap.add_argument("--merge", default=None, metavar="JSON",
+                  help="also write this results file's rows for the (case, impl) pairs not "
+                       "measured now, each with its own commit, date and ceilings")
   args = ap.parse_args()
   nks = tuple(tuple(int(d) for d in nk.split("x")) for nk in args.nks) if args.nks else None
   if args.prefill:
@@ -481,7 +500,7 @@ def main():
   if args.prefill:
     order = [i for i in ["cublas_blockwise", *PREFILL_IMPLS] if i in impls]
     return run_prefill(ms, nks, order, fp8_peak, bw, bf16, args.commit, args.out, args.tag,
-                       args.budget_s, args.peer_timeout)
+                       args.budget_s, args.peer_timeout, args.merge)
   print(__doc__.split("\n\n")[1])
   rows = []
   cases = [(m, n, k) for (n, k) in nks for m in ms]
@@ -545,7 +564,7 @@ def main():
       print(f"{m:>5} {n:>6} {k:>6} {row['impl']:>16} {row['time_us']:9.2f} {row['tflops']:8.1f} "
             f"{row['tbps']:6.2f} {row['roofline_frac']:5.2f} {row['vs_xla']:7.2f} "
             f"{row['config'] or ''} {'' if row['correct'] else 'CHECK FAILED'}", flush=True)
-    _harness.write_results(name, rows,
+    _harness.write_results(name, merged(rows, args.merge),
                            {"copy_tbps": round(bw, 3), "bf16_tflops": round(bf16, 1)},
                            args.commit, args.out)
 

@@ -122,3 +122,20 @@ def test_scaling_names():
     _cublas.member(enum.Enum("ScalingType", ["RowWise"]), "BlockWise1x128")
   assert _cublas.spread([1.0, 2.0]) == {"median_us": None, "p10_us": None, "p90_us": None}
   assert _cublas.spread([float(i) for i in range(1, 12)])["median_us"] == 6.0
+
+
+def test_merge_keeps_other_runs(tmp_path):
+  """--merge: a run's rows, then the file's rows for what it did not measure, each with its own
+  run's commit, date and ceilings."""
+  sys.path.insert(0, str(BENCHMARKS))
+  import fp8_matmul as bench
+  old = {"commit": "a" * 7, "date": "2026-12-01", "ceilings": {"copy_tbps": 4.2}, "rows": [
+      {"case": {"M": 256}, "impl": "default", "time_us": 9.0},
+      {"case": {"M": 4096}, "impl": "default", "time_us": 90.0},
+      {"case": {"M": 4096}, "impl": "xla", "time_us": 99.0, "commit": "b" * 7}]}
+  (tmp_path / "old.json").write_text(json.dumps(old))
+  rows = bench.merged([{"case": {"M": 256}, "impl": "default", "time_us": 8.0}],
+                      str(tmp_path / "old.json"))
+  assert [(r["case"]["M"], r["time_us"], r.get("commit")) for r in rows] == [
+      (256, 8.0, None), (4096, 90.0, "a" * 7), (4096, 99.0, "b" * 7)]
+  assert rows[1]["ceilings"] == {"copy_tbps": 4.2} and bench.merged(rows, None) == rows
