@@ -243,8 +243,10 @@ def cublas_peer(cases, first_set, timeout: float) -> tuple[dict, str | None]:
       proc = subprocess.run([sys.executable, CUBLAS, d], capture_output=True, text=True,
                             timeout=timeout)
       print(proc.stdout[-4000:] + proc.stderr[-2000:], flush=True)
-    except subprocess.TimeoutExpired:
-      print(f"cuBLAS: stopped after {timeout:.0f} s; the cases it finished are kept")
+    except subprocess.TimeoutExpired as e:
+      tail = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+      print(f"{tail[-4000:]}\ncuBLAS: stopped after {timeout:.0f} s; the cases it finished are "
+            "kept", flush=True)
     path = os.path.join(d, "results.json")
     if not os.path.exists(path):
       return {}, "the torch side wrote no results (its output is above)"
@@ -367,6 +369,7 @@ def prefill_case(m, n, k, seed, impls, theirs) -> dict[str, dict]:
     fam = kernel_family(row)
     row["pick"] = next((i for i in KERNELS if i in rows and rows[i]["time_us"] is not None and (
         kernel_family(rows[i]) == fam if gpu else np.array_equal(outs[i], outs[impl]))), None)
+    row["config"] = rows[row["pick"]]["config"] if row["pick"] else None
     if impl not in outs and row["pick"] is None:
       outs[impl] = np.asarray(op(x, qa, qw, sw, wb)[::step], np.float32)
     row.update(checked(outs.get(impl, outs.get(row["pick"])), want, theirs))
@@ -464,7 +467,7 @@ def main():
   ap.add_argument("--prefill", action="store_true",
                   help=f"the prefill comparison (docstring): M {PREFILL_MS}, every projection "
                        "and expert shape, fp8_matmul_prefill.json")
-  ap.add_argument("--budget-s", type=float, default=170.0,
+  ap.add_argument("--budget-s", type=float, default=150.0,
                   help="--prefill: start no case after this many seconds of the timing loop")
   ap.add_argument("--peer-timeout", type=float, default=90.0,
                   help="seconds the torch process may take over all cases")
