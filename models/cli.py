@@ -143,7 +143,7 @@ def _check_model(hf: dict, tp: int, where: str) -> None:
   from models import registry
   try:
     fam = registry.family(hf.get("model_type"))
-    fam.model.check_tp(types.SimpleNamespace(cfg=fam.config.from_hf(hf)), tp)
+    fam.model.sharding.check_tp(types.SimpleNamespace(cfg=fam.config.from_hf(hf)), tp)
   except (ValueError, JfusedqError) as e:
     raise UsageError(f"{where}: {e}") from None
 
