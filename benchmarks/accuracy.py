@@ -16,16 +16,17 @@ start (no context carried over), so there are batch * (length - 1) predictions. 
   implementations) the paired NLL difference from that path, with its standard error.
 Paths: bf16 (unquantised), unfused (bf16 norm, then each FP8 projection quantises its input)
 and fused (the norm hands the projection the quantised tuple), in e4m3fn and e4m3fnuz with the
-XLA ops; then on a smaller case (`--impl-batch` x `--impl-length`) both FP8 paths with every
-other implementation (`--impls`) beside their XLA rows: Pallas runs interpreted on CPU, ~100 s
-a path for the 30 layers.
+XLA ops, each with amax / fp8_max activation scales and with those rounded up to powers of two
+(UE8M0, DESIGN.md 3.1; weight scales stay amax / fp8_max); then on a smaller case
+(`--impl-batch` x `--impl-length`) both FP8 paths with every other implementation (`--impls`)
+beside their XLA rows: Pallas runs interpreted on CPU, ~100 s a path for the 30 layers.
 `correct`: no gate fails (`failures`): FP8 costs at most MAX_FP8_COST nats over bf16, fused
 at most MAX_FUSED_EXCESS over unfused, an implementation is within MAX_IMPL_DIFF of the XLA one
 on the same path, the last two beyond the noise of the difference.
 
 Run: python benchmarks/accuracy.py [--batch 8] [--length 256] [--formats e4m3fn e4m3fnuz]
-     [--impls pallas triton] [--impl-batch 2] [--impl-length 64] [--out DIR] [--commit SHA]
-     [--smoke]
+     [--scales amax ue8m0] [--impls pallas triton] [--impl-batch 2] [--impl-length 64]
+     [--out DIR] [--commit SHA] [--smoke]
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ MAX_FUSED_EXCESS = 0.005  # nats: fused NLL - unfused NLL
 MAX_IMPL_DIFF = 0.002  # nats: an implementation's NLL - the XLA one's, same path
 NOISE = 3  # standard errors of a paired difference the gates between FP8 paths allow
 FORMATS = {"e4m3fn": Fp8Format.e4m3fn(), "e4m3fnuz": Fp8Format.e4m3fnuz()}
+SCALES = ("amax", "ue8m0")  # activation scales: amax / fp8_max, or that rounded up to 2**n
 
 
 def _wheel_file(suffix: str):
@@ -100,17 +102,21 @@ def load():
   return gguf.read(_wheel_file(".gguf"))
 
 
-def paths(impls, formats=("e4m3fn", "e4m3fnuz")) -> dict[str, dict]:
-  """Path label -> `LlamaForCausalLM` keywords: bf16, then unfused and fused per format and
-  implementation (labels: "unfused", "fused", "fused-e4m3fnuz", "fused-pallas", ...)."""
+def paths(impls, formats=("e4m3fn", "e4m3fnuz"), scales=("amax",)) -> dict[str, dict]:
+  """Path label -> `LlamaForCausalLM` keywords: bf16, then unfused and fused per format,
+  activation scales and implementation (labels: "unfused", "fused", "fused-e4m3fnuz",
+  "fused-ue8m0", "fused-pallas", ...)."""
   out = {"bf16": dict(fp8=False)}
   for fmt in formats:
-    for impl in impls:
-      for fused in (False, True):
-        label = "-".join(p for p in ("fused" if fused else "unfused",
-                                     fmt if fmt != "e4m3fn" else "",
-                                     impl if impl != "xla" else "") if p)
-        out[label] = dict(fp8=QuantConfig(FORMATS[fmt]), fused=fused, implementation=impl)
+    for scale in scales:
+      for impl in impls:
+        for fused in (False, True):
+          label = "-".join(p for p in ("fused" if fused else "unfused",
+                                       fmt if fmt != "e4m3fn" else "",
+                                       scale if scale != "amax" else "",
+                                       impl if impl != "xla" else "") if p)
+          out[label] = dict(fp8=QuantConfig(FORMATS[fmt], ue8m0=scale == "ue8m0"), fused=fused,
+                            implementation=impl)
   return out
 
 
@@ -200,6 +206,7 @@ def rows(figures: dict[str, dict], labels: dict[str, dict], ids: np.ndarray, *,
     quant = kw.get("fp8")
     rnd = lambda v: None if v is None else round(v, 6)
     out.append(dict(case=case, impl=label, format=quant.fmt.name if quant else None,
+                    ue8m0=quant.ue8m0 if quant else None,
                     fused=bool(kw.get("fused", False)) if quant else None,
                     implementation=kw.get("implementation", "xla"),
                     **{k: rnd(v) for k, v in f.items() if k != "seconds"},
@@ -212,6 +219,8 @@ def main(argv=None):
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--length", type=int, default=256)
   ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+  ap.add_argument("--scales", nargs="+", default=list(SCALES), choices=SCALES,
+                  help="activation scales: amax / fp8_max, or rounded up to powers of two")
   ap.add_argument("--impls", nargs="*", default=["pallas"],
                   help="implementations compared with XLA (e4m3fn, on the smaller case)")
   ap.add_argument("--impl-batch", type=int, default=2)
@@ -223,9 +232,10 @@ def main(argv=None):
   if (why := missing()) is not None:
     sys.exit(f"accuracy: {why}")
   if args.smoke:
-    args.batch, args.length, args.impls, args.formats = 2, 32, [], ["e4m3fn"]
+    args.batch, args.length, args.impls = 2, 32, []
+    args.formats, args.scales = ["e4m3fn"], ["amax"]
   cfg, tensors = load()
-  cases = [(tokens(args.batch, args.length), paths(["xla"], args.formats))]
+  cases = [(tokens(args.batch, args.length), paths(["xla"], args.formats, args.scales))]
   if args.impls:
     cases.append((tokens(args.impl_batch, args.impl_length),
                   paths(["xla", *args.impls], ["e4m3fn"])))
