@@ -40,7 +40,7 @@ try:
 except ImportError:  # the kernels are then never compiled: `require` declines first
   triton = tl = None
 
-INSTALL = "pip install 'jfusedq[triton]' (the triton package)"
+INSTALL = "pip install 'jfusedq[triton]'"
 CUSTOM_CALL = "__gpu$xla.gpu.triton"
 # Triton's pointer type for each array dtype a kernel takes or returns.
 POINTER = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32", "uint8": "*u8",
@@ -176,16 +176,29 @@ def _launcher():
   return XlaLauncher
 
 
-def require(target: _target.Target | None = None):
-  """The launcher; raises Unsupported when `triton` or a GPU target is missing."""
+def missing(target: _target.Target | None = None) -> str | None:
+  """Why the Triton kernels cannot run on `target` (default: the current one), each cause that
+  holds (no GPU, a platform other than CUDA / ROCm, no triton package), or None."""
   target = target or _target.current()
-  if not target.is_gpu:
-    raise Unsupported(f"triton needs a CUDA or ROCm GPU (and the triton package), not "
-                      f"{target.platform}")
+  why = []
+  if target.platform == "cpu":
+    why.append("no GPU (the target is the CPU): XLA compiles Triton kernels for CUDA and ROCm "
+               "GPUs only")
+  elif not target.is_gpu:
+    why.append(f"the target is {target.platform}: XLA compiles Triton kernels for CUDA and "
+               f"ROCm GPUs only")
   launcher = _launcher()
   if isinstance(launcher, str):
-    raise Unsupported(f"{launcher}; {INSTALL}")
-  return launcher
+    why.append(f"{launcher} ({INSTALL})")
+  return "; ".join(why) or None
+
+
+def require(target: _target.Target | None = None):
+  """The launcher; raises Unsupported naming what is `missing`."""
+  why = missing(target)
+  if why is not None:
+    raise Unsupported(f"triton: {why}")
+  return _launcher()
 
 
 def available() -> bool:

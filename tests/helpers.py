@@ -31,14 +31,6 @@ FORMATS = {
 }
 
 
-def _triton_missing() -> str | None:
-  """Why the Triton kernels cannot run here (XLA compiles them for a CUDA or ROCm GPU)."""
-  if not _target.current().is_gpu:
-    return "no GPU: Triton kernels need CUDA or ROCm"
-  why = _triton._launcher()  # the real one, or the interpreter of tests/triton_interpret.py
-  return why if isinstance(why, str) else None
-
-
 def _mosaic_gpu_missing() -> str | None:
   """Why the Mosaic GPU kernel cannot run here: it needs a Hopper GPU, or the CPU interpreter."""
   target = _target.current()
@@ -56,7 +48,8 @@ def _impl(name: str, missing: str | None):
 # interpreted on CPU. The Mosaic GPU GEMM builds only K % 128 == 0, N % 64 == 0 and e4m3fn, and
 # its CPU interpreter takes ~3x Pallas's time, so its cases (test_fp8_matmul.py) are its own.
 XLA, PALLAS = "xla", "pallas"
-TRITON = _impl("triton", _triton_missing())
+# Under tests/triton_interpret.py the target is an H200 and the launcher Triton's interpreter.
+TRITON = _impl("triton", _triton.missing())
 MOSAIC_GPU = _impl("mosaic_gpu", _mosaic_gpu_missing())
 IMPLEMENTATIONS = {
     "group_quant": (XLA, PALLAS, TRITON),

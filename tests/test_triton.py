@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jfusedq import (Fp8Format, Unsupported, _triton, fp8_matmul, group_quant, grouped_fp8_matmul,
-                     rmsnorm, rmsnorm_quant)
+from jfusedq import (Fp8Format, Unsupported, _target, _triton, fp8_matmul, group_quant,
+                     grouped_fp8_matmul, rmsnorm, rmsnorm_quant)
 from jfusedq.nn import StackedLinear, quantize_weight
 from jfusedq.ops.fp8_matmul import Config
 from helpers import TRITON_CALL, lower
@@ -45,10 +45,23 @@ def test_explicit_triton_on_cpu_names_what_is_missing():
            lambda: rmsnorm(x, w, implementation="triton"),
            lambda: fp8_matmul(x, qw, sw, implementation="triton")]
   for call in calls:
-    with pytest.raises(Unsupported,
-                       match=r"triton needs a CUDA or ROCm GPU \(and the triton package\)"):
+    with pytest.raises(Unsupported, match=r"triton: no GPU \(the target is the CPU\)"):
       call()
   assert not _triton.available()
+
+
+@pytest.mark.parametrize("platform, installed, causes", [
+    ("cpu", True, ["no GPU"]), ("cpu", False, ["no GPU", "not installed"]),
+    ("tpu", True, ["the target is tpu"]), ("cuda", False, ["not installed"]),
+    ("cuda", True, [])])
+def test_unavailability_names_each_real_cause(monkeypatch, platform, installed, causes):
+  monkeypatch.setattr(_triton, "_launcher", lambda: _triton.XlaLauncher if installed
+                      else "the triton package is not installed")
+  why = _triton.missing(_target.Target(platform, "NVIDIA H200"))
+  parts = [] if why is None else why.split("; ")
+  assert len(parts) == len(causes) and all(c in p for c, p in zip(causes, parts)), why
+  assert ("pip install" in (why or "")) == (not installed)
+  assert ("GPUs only" in (why or "")) == (platform != "cuda")
 
 
 # --- ahead-of-time compile of every Triton kernel for sm90, gfx942 and gfx950 ---------------
