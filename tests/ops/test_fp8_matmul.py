@@ -291,7 +291,8 @@ def test_lowers(target, layout, config):
 
 # Mosaic GPU (Hopper wgmma) kernel: run by the GPU interpreter on CPU, lowered for the H200.
 # Outside the shared suite: it takes K % 128 == 0 and N % 64 == 0 only (helpers.MOSAIC_GPU).
-# Every tile width the heuristic picks (192, 128, 64), persistent (K <= 2048) or not, a ragged
+# Every tile width the heuristic picks (192, 128, 64), persistent or not, one to three wgmma
+# chunks, a ragged
 # last tile (N = 320 in tiles of 128: the weight's rows past N arrive as zeros, the store
 # clips), padded M, both layouts.
 @pytest.mark.parametrize("m_shape,n,k,layout,config", [
@@ -301,6 +302,9 @@ def test_lowers(target, layout, config):
     ((64,), 192, 512, "col", MosaicConfig(64, stages=1)),
     ((130,), 64, 256, "row", None),
     ((3,), 64, 2176, "col", None),  # K past 2048: one tile a CTA
+    ((100,), 320, 256, "row", MosaicConfig(192, stages=2, chunks=2)),  # wgmma in two groups
+    ((2, 65), 192, 384, "col", MosaicConfig(192, stages=3, chunks=3)),
+    ((130,), 256, 256, "row", MosaicConfig(128, stages=2, chunks=2)),
 ], ids=str)
 @pytest.mark.parametrize("impl", [MOSAIC_GPU])
 def test_mosaic_gpu(impl, m_shape, n, k, layout, config):
@@ -318,6 +322,7 @@ def test_mosaic_gpu(impl, m_shape, n, k, layout, config):
 @pytest.mark.parametrize("m,n,k,layout,config", [
     (300, 320, 384, "row", MosaicConfig(128, stages=2, persistent=True)),  # 9 tiles on 4 CTAs
     (130, 192, 256, "col", MosaicConfig(64, stages=3, persistent=True)),  # 6 tiles on 4 CTAs
+    (300, 384, 256, "row", MosaicConfig(192, stages=2, persistent=True, chunks=2)),
 ], ids=str)
 @pytest.mark.parametrize("impl", [MOSAIC_GPU])
 def test_mosaic_gpu_persistent(monkeypatch, impl, m, n, k, layout, config):
@@ -340,6 +345,10 @@ def test_mosaic_gpu_heuristics():
   assert width(256, 7168) == 128  # N % 192 != 0; 2 x 56
   assert width(256, 1024) == 64  # 2 x 16 even at 64: the narrowest
   assert width(1, 320) == 64  # N % 128 != 0 and N % 192 != 0
+  pick = mosaic_gpu.heuristics
+  assert not pick(1024, 12288, 4096).persistent and pick(1024, 12288, 1536).persistent
+  assert pick(4096, 12288, 4096) == MosaicConfig(192, persistent=True, chunks=2)
+  assert pick(4096, 7168, 16384) == MosaicConfig(128, persistent=True, chunks=1)
 
 
 @pytest.mark.parametrize("impl", [MOSAIC_GPU])
@@ -390,12 +399,14 @@ def test_mosaic_gpu_lowers(target, persistent):
     (256, 12288, 4096, "mosaic_gpu"),  # 2 x 64 tiles of 128 x 192
     (256, 1024, 4096, "triton"),  # 2 x 16 tiles at the narrowest: under half of 132
     (1024, 2112, 7168, "mosaic_gpu"), (4096, 24576, 1536, "mosaic_gpu"),
-    (4096, 7168, 16384, "triton"),  # K > 8192
+    (1024, 7168, 16384, "triton"),  # K > 8192 below M = 4096
+    (4096, 7168, 16384, "mosaic_gpu"),  # persistent from M = 4096: at every K
     (4096, 2100, 7168, "triton")])  # N % 64: the Mosaic GPU kernel cannot tile it
 def test_gpu_order(monkeypatch, m, n, k, first):
   # Triton where M < 256 (0.99-1.06x Pallas's speed at M <= 16, 1.15-1.72x at M = 64, and since
   # both go to XLA's Triton custom call, both in the step's CUDA graph); from M = 256, Mosaic GPU
-  # where its tiles cover half the H200's SMs and K <= 8192 (measured ahead there); Pallas after
+  # where its tiles cover half the H200's SMs and K <= 8192 or M >= 4096 (measured ahead there);
+  # Pallas after
   # Triton, for machines without `triton`.
   from jfusedq import _target
   monkeypatch.setattr(_target, "current", lambda: _target.Target("cuda", "NVIDIA H200"))
@@ -405,12 +416,14 @@ def test_gpu_order(monkeypatch, m, n, k, first):
 
 @pytest.mark.lowering
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("m,k,mosaic", [(4096, 1536, True), (4096, 16384, False),
-                                        (256, 1536, True), (255, 1536, False)])
+@pytest.mark.parametrize("m,k,mosaic", [(4096, 1536, True), (1024, 16384, False),
+                                        (4096, 16384, True), (256, 1536, True),
+                                        (255, 1536, False)])
 def test_default_order_lowers(target, m, k, mosaic):
   # With no implementation asked for, Hopper runs the Mosaic GPU kernel where it was measured
-  # to win (api.gpu_order: M >= 256, K <= 8192, its tiles on half the SMs; N = 2112 here, so
-  # M = 256 has 66 tiles of 128 x 64) and the portable kernels elsewhere; ROCm never.
+  # to win (api.gpu_order: M >= 256, K <= 8192 or M >= 4096, its tiles on half the SMs;
+  # N = 2112 here, so M = 256 has 66 tiles of 128 x 64) and the portable kernels elsewhere;
+  # ROCm never.
   S = jax.ShapeDtypeStruct
   fp8 = jnp.float8_e4m3fnuz if target == "gfx942" else jnp.float8_e4m3fn
 

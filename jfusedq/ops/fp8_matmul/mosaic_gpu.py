@@ -21,17 +21,20 @@ which clips the columns past N.
 Shapes: K a multiple of 128, N of 64; M is padded to 128 by the caller's XLA (a copy of the
 activation, small next to the weight at the M this kernel is for).
 
-H200, M = 4096: 889 / 781 / 769 / 887 TFLOP/s at (N, K) = (2112, 7168) / (24576, 1536) /
-(7168, 16384) / (12288, 4096), 1.11 / 0.95 / 1.06 / 1.10x XLA's bf16 dot. Tried and measured
-slower: a persistent schedule (one CTA per SM walking its tiles in one pipeline, the store
-inside the step), 1-25% slower than this kernel: moving the store into the step cost more than
-the refills saved (persistent was 2-12% faster than per-tile CTAs with the store in the step
-alike). `Config(persistent=True)` is the schedule with the store kept out of the step: one CTA
-per SM loops over its tiles, each a pipeline over K, the pipeline's buffers allocated once so
-the memory warpgroup runs ahead into the next tile. Measured at M = 4096: 349.4 against
-387.6 us at (24576, 1536), where a tile's 12 K blocks make the pipeline's fill and drain
-between tiles a large share, and 142.5 against 138.7 at (2112, 7168) (56 K blocks): the
-default for K <= 2048.
+Schedules (`Config`): per-tile CTAs, or `persistent`: one CTA per SM loops over its tiles,
+each a pipeline over K, the pipeline's buffers allocated once so the memory warpgroup runs
+ahead into the next tile (the store stays out of the step: moving it in cost 1-25% more than
+the refills saved). `chunks = 2` issues the tile's columns as two wgmma groups and rescales
+the first while the second runs.
+
+H200, M = 4096, profiler kernel time, fresh weights per call: the persistent schedule with
+192-wide tiles in two chunks ran 140.8 / 341.1 / 419.7 us at (N, K) = (2112, 7168) /
+(24576, 1536) / (12288, 4096) against 145.1 / 351.5 / 472.7 for the per-tile, one-chunk
+schedule; with 128-wide tiles one chunk is faster (two 64-wide groups re-read the activation
+block from shared memory twice): 1029.7 against 1074.6 us at (7168, 16384), where the per-tile
+schedule took 1228.0. That is 880-990 TFLOP/s, 0.7-0.8x cuBLAS's blockwise FP8 GEMM. A 2-CTA
+cluster multicasting the weight block to both CTAs measured within 1% of the same schedule
+without it (the L2 is not what bounds the kernel).
 """
 
 from __future__ import annotations
@@ -66,21 +69,27 @@ class Config:
   stages: int = 4
   # One CTA per SM walking tiles, the pipeline's buffers kept across them.
   persistent: bool = False
+  # The tile's columns in this many wgmma groups: a group's rescale runs while the next
+  # group's wgmma is still on the tensor cores.
+  chunks: int = 1
 
   def __post_init__(self):
     if self.block_n not in (64, 128, 192):
       raise ValueError(f"Config needs block_n in (64, 128, 192), got {self}")
+    if self.chunks not in (1, 2, 3) or (self.block_n // self.chunks) % 32:
+      raise ValueError(f"Config.chunks must split block_n into multiples of 32, got {self}")
     if not isinstance(self.stages, int) or self.stages < 1:
       raise ValueError(f"Config.stages must be a positive int, got {self.stages!r}")
 
 
 PERSISTENT_MAX_K = 2048
+PERSISTENT_MIN_M = 4096  # measured there; at smaller M the per-tile schedule is unmeasured
 
 
 def heuristics(m: int, n: int, k: int) -> Config:
   """The widest tile dividing N (fewer weight tiles re-read per activation tile) whose tiles
-  cover half the SMs, else the narrowest; 4 stages; persistent where K is short (module
-  docstring).
+  cover half the SMs, else the narrowest; 4 stages; persistent where K is short or M is at
+  least PERSISTENT_MIN_M, in two chunks where the tile is 192 wide (module docstring).
 
   From the H200 sweeps: at M = 4096 192 columns ran fastest wherever N allows; at M = 256,
   where 2 row tiles leave few column tiles, 64 columns took 24.8 us against 47.0 for 192 at
@@ -89,7 +98,8 @@ def heuristics(m: int, n: int, k: int) -> Config:
   """
   widths = [bn for bn in (192, 128, 64) if n % bn == 0] or [64]  # N % 64: `check` declines
   block_n = next((bn for bn in widths if covers_half(m, n, bn)), widths[-1])
-  return Config(block_n, persistent=k <= PERSISTENT_MAX_K)
+  persistent = k <= PERSISTENT_MAX_K or m >= PERSISTENT_MIN_M
+  return Config(block_n, persistent=persistent, chunks=2 if persistent and block_n == 192 else 1)
 
 
 def covers_half(m: int, n: int, block_n: int) -> bool:
@@ -119,6 +129,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   check(qa, n, k)
   cfg = config or heuristics(m, n, k)
   bn, kb = cfg.block_n, k // BLOCK_K
+  cw = bn // cfg.chunks
   mp = -(-m // BLOCK_M) * BLOCK_M
   nt = -(-n // bn)
   sa_col = sa if a_layout == "col" else sa.T
@@ -147,21 +158,26 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
     rows = pl.ds(wg * WG_M, WG_M)
 
     def step(_, a_smem, w_smem, sa_smem, sw_smem, acc):
-      def mma(d_ref):
-        plgpu.wgmma(d_ref, a_smem.at[rows], w_smem.transpose((1, 0)))
-        plgpu.wgmma_wait(0)
-        return d_ref[...]
+      def mma(*d_refs):
+        for c, d_ref in enumerate(d_refs):
+          plgpu.wgmma(d_ref, a_smem.at[rows], w_smem.at[pl.ds(c * cw, cw)].transpose((1, 0)))
+        s_a = plgpu.load(sa_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
+        out = []
+        for c, d_ref in enumerate(d_refs):
+          plgpu.wgmma_wait(cfg.chunks - 1 - c)
+          s_w = plgpu.load(sw_smem.at[0, pl.ds(c * cw, cw)], layout=plgpu.Layout.WGMMA.reduce(0))
+          out.append(acc[c] + d_ref[...] * s_a[:, None] * s_w[None, :])
+        return tuple(out)
 
-      d = pl.run_scoped(mma, plgpu.ACC((WG_M, bn), jnp.float32))
-      s_a = plgpu.load(sa_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-      s_w = plgpu.load(sw_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-      return acc + d * s_a[:, None] * s_w[None, :]
+      return pl.run_scoped(mma, *[plgpu.ACC((WG_M, cw), jnp.float32)] * cfg.chunks)
 
     def context(run):
-      acc = run(plgpu.layout_cast(jnp.zeros((WG_M, bn), jnp.float32), plgpu.Layout.WGMMA))
+      zero = plgpu.layout_cast(jnp.zeros((WG_M, cw), jnp.float32), plgpu.Layout.WGMMA)
+      acc = run((zero,) * cfg.chunks)
       if cfg.persistent:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read o_smem
-      o_smem[wg] = acc.astype(out_dtype)
+      for c, part in enumerate(acc):
+        o_smem[wg, :, pl.ds(c * cw, cw)] = part.astype(out_dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(
           o_smem.at[wg], o_gmem.at[pl.ds(mi * BLOCK_M + wg * WG_M, WG_M), pl.ds(ni * bn, bn)])
