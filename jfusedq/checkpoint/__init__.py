@@ -2,7 +2,8 @@
 
 from jfusedq.checkpoint.checkpoint import (Checkpoint, CheckpointError, ConfigError,
                                            MissingTensorError, TensorMismatchError, read_config)
-from jfusedq.checkpoint.linear import QuantConfig, load_array, load_linear
+from jfusedq.checkpoint.linear import (QuantConfig, load_array, load_experts, load_linear,
+                                       projection)
 from jfusedq.checkpoint.safetensors import SafetensorsError, SafetensorsFile, load_file, save_file
 
 __all__ = [
@@ -15,8 +16,10 @@ __all__ = [
     "SafetensorsFile",
     "TensorMismatchError",
     "load_array",
+    "load_experts",
     "load_file",
     "load_linear",
+    "projection",
     "read_config",
     "save_file",
 ]

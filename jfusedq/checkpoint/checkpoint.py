@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from jfusedq.checkpoint.lazy import Stored
 from jfusedq.checkpoint.safetensors import SafetensorsFile
 from jfusedq.errors import InputError, JfusedqError
 
@@ -69,7 +70,7 @@ class Checkpoint:
     self.prefix = prefix
     cfg = os.path.join(self.path, "config.json")
     self.config: dict = read_config(cfg) if os.path.exists(cfg) else {}
-    self._read: set[str] = set()  # full names read by get(), shared by scope() views
+    self._read: set[str] = set()  # full names read by get() / tensor(), shared by views
     self._files: dict[str, SafetensorsFile] = {}
     index = os.path.join(self.path, INDEX)
     if os.path.exists(index):
@@ -139,6 +140,17 @@ class Checkpoint:
     Raises:
       MissingTensorError, TensorMismatchError: naming the tensor.
     """
+    full = self._checked(name, shape, dtype)
+    return self._file(self._where[full])[full]
+
+  def tensor(self, name: str, *, shape: Sequence[int] | None = None,
+             dtype: Sequence | np.dtype | str | None = None) -> Stored:
+    """The tensor `prefix + name`, checked as by get(), to be read by slices: a loader reads
+    only the shards its devices hold."""
+    full = self._checked(name, shape, dtype)
+    return Stored(self._file(self._where[full]), full)
+
+  def _checked(self, name: str, shape, dtype) -> str:
     full = self._full(name)
     got_shape, got_dtype = self.spec(name)
     if shape is not None and tuple(got_shape) != tuple(shape):
@@ -150,11 +162,11 @@ class Checkpoint:
         raise TensorMismatchError(f"tensor {full!r} has dtype {got_dtype}, expected one of "
                                   f"{[str(d) for d in allowed]} ({self._where[full]})")
     self._read.add(full)
-    return self._file(self._where[full])[full]
+    return full
 
   def unread(self) -> list[str]:
-    """Names of the checkpoint (all prefixes) that no get() has read: after loading a model,
-    the tensors it does not use."""
+    """Names of the checkpoint (all prefixes) that no get() / tensor() took: after loading a
+    model, the tensors it does not use."""
     return sorted(set(self._where) - self._read)
 
   def __getitem__(self, name: str) -> np.ndarray:

@@ -16,7 +16,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -99,6 +99,23 @@ class SafetensorsFile(Mapping):
       return np.zeros(shape, dtype)
     raw = self._data()[self._start + begin:self._start + end]
     return raw.view(dtype).reshape(shape)
+
+  def read(self, name: str, index: Sequence[np.ndarray]) -> np.ndarray:
+    """A copy of tensor `name` at `index`, one 1-D integer array per axis (their outer
+    product): only those elements leave the file (a range is sliced from the memory map, other
+    arrays gathered)."""
+    a = self[name]
+    ranges = [len(ix) > 0 and np.array_equal(ix, np.arange(ix[0], ix[0] + len(ix)))
+              for ix in index]
+    a = a[tuple(slice(ix[0], ix[0] + len(ix)) if r else slice(None)
+                for ix, r in zip(index, ranges))]
+    for axis, (ix, r) in enumerate(zip(index, ranges)):
+      if not r:
+        a = np.take(a, ix, axis=axis)
+    return np.array(a)
+
+  def __contains__(self, name) -> bool:  # Mapping's would go through __getitem__
+    return name in self._entries
 
   def __iter__(self) -> Iterator[str]:
     return iter(self._entries)

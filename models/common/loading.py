@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -81,7 +82,8 @@ def set_param(var: nnx.Variable, value, name: str) -> None:
   dt = want.dtype
   if jnp.dtype(dt).itemsize == 1 and jnp.dtype(value.dtype) != jnp.dtype(dt):
     raise TensorMismatchError(f"{name}: loaded {value.dtype}, model expects {dt}")
-  var.set_value(jnp.asarray(value).astype(dt))
+  value = jnp.asarray(value)
+  var.set_value(value if value.dtype == dt else value.astype(dt))
 
 
 def checkpoint_quant(qc: dict | None, fp8: bool | None, fmt: Fp8Format | str | None,
@@ -95,7 +97,7 @@ def checkpoint_quant(qc: dict | None, fp8: bool | None, fmt: Fp8Format | str | N
   if not fp8:
     return None
   quant = QuantConfig.from_hf(qc, fmt)
-  return QuantConfig(quant.fmt, tuple(rename(m) for m in quant.not_converted))
+  return dataclasses.replace(quant, not_converted=tuple(rename(m) for m in quant.not_converted))
 
 
 def check_loaded(model: nnx.Module) -> None:

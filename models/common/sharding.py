@@ -3,7 +3,7 @@ a model built with `tp_axis` inside `jax.shard_map` over that mesh axis."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +65,32 @@ def check_split(state, specs, n: int) -> None:
         raise ValueError(f"FP8 parameter {name} {list(leaf.shape)}: {dim // n} rows/columns per "
                          f"device is not a multiple of the {BLOCK} x {BLOCK} weight block, so "
                          f"one block (one scale) would straddle two devices")
+
+
+# A parameter's placement: its Variable -> a NamedSharding, or None (loaded whole).
+Where = Callable[[nnx.Variable], NamedSharding | None]
+
+
+def param_shardings(model: nnx.Module, mesh: jax.sharding.Mesh | None) -> Where:
+  """Where each parameter of `model` (abstract or not) goes on `mesh`: a function of the
+  Variable giving its NamedSharding, split as `tp_apply` splits it (after the same checks);
+  None for every parameter without a mesh. A loader given these reads only its shards."""
+  if mesh is None:
+    return lambda var: None
+  axis = model.opts.tp_axis
+  if axis is None or axis not in mesh.axis_names:
+    raise ValueError(f"loading onto a mesh needs the model's tp_axis ({axis!r}) to be an axis "
+                     f"of the mesh {mesh.axis_names}")
+  n = mesh.shape[axis]
+  model.check_tp(n)
+  state = nnx.state(model)
+  specs = model.partition_specs(state)
+  check_split(state, specs, n)
+  by_name = {tuple(param_names(path)): spec for path, spec in
+             jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, P))[0]}
+  by_var = {id(v): NamedSharding(mesh, by_name[tuple(map(str, path))])
+            for path, v in nnx.graph.iter_graph(model) if isinstance(v, nnx.Variable)}
+  return lambda var: by_var[id(var)]
 
 
 def place(a, sharding: NamedSharding) -> jax.Array:

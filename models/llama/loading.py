@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jfusedq.checkpoint import (MissingTensorError, QuantConfig, TensorMismatchError, load_array,
                                 load_linear)
@@ -16,6 +17,7 @@ from jfusedq.nn import Fp8Linear, quantize_weight
 from models.common import check_loaded, checkpoint_quant, set_param
 from models.common.layers import Impl
 from models.common.loading import open_checkpoint, report_unread
+from models.common.sharding import param_shardings, place
 from models.llama import gguf
 from models.llama.config import MODEL_TYPES, LlamaConfig
 from models.llama.model import LlamaForCausalLM
@@ -47,22 +49,23 @@ def _abstract(cfg: LlamaConfig, quant, **kw) -> LlamaForCausalLM:
                                                  **kw))
 
 
-def _from_checkpoint(path, *, fp8, fmt, **kw) -> LlamaForCausalLM:
+def _from_checkpoint(path, *, fp8, fmt, mesh, **kw) -> LlamaForCausalLM:
   ckpt = open_checkpoint(path, MODEL_TYPES, "models.llama.from_pretrained")
   cfg = LlamaConfig.from_hf(ckpt.config)
   model = _abstract(cfg, checkpoint_quant(ckpt.config.get("quantization_config"), fp8, fmt),
                     **kw)
   pdt = model.opts.param_dtype
+  where = param_shardings(model, mesh)
 
   def linear(mod, name, k):
     fmt = model.opts.quant.fmt if isinstance(mod, Fp8Linear) else None
-    w, s = load_linear(ckpt, name, in_features=k, fmt=fmt, dtype=pdt)
+    w, s = load_linear(ckpt, name, in_features=k, fmt=fmt, dtype=pdt, sharding=where(mod.weight))
     set_param(mod.weight, w, name)
     if s is not None:
       set_param(mod.weight_scale_inv, s, name + " (weight_scale_inv)")
 
   def array(var, name, shape):
-    set_param(var, load_array(ckpt, name, shape, pdt), name)
+    set_param(var, load_array(ckpt, name, shape, pdt, where(var)), name)
 
   _fill(model, linear, array)
   report_unread(ckpt)
@@ -106,8 +109,8 @@ def from_tensors(cfg: LlamaConfig, tensors: Mapping[str, np.ndarray], *,
 def from_pretrained(path: str | os.PathLike, *, fp8: bool | None = None,
                     fmt: Fp8Format | str | None = None, fused: bool | Sequence[bool] = True,
                     tp_axis: str | None = None, ar_strategy: str | Sequence[str] | None = None,
-                    dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                    implementation: Impl = None) -> LlamaForCausalLM:
+                    dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, implementation: Impl = None,
+                    mesh: Mesh | None = None) -> LlamaForCausalLM:
   """A Llama model from a Hugging Face checkpoint directory (config.json + safetensors) or a
   GGUF file (`*.gguf`, e.g. SmolLM2-135M-Instruct).
 
@@ -117,6 +120,9 @@ def from_pretrained(path: str | os.PathLike, *, fp8: bool | None = None,
       kept with their scales, high-precision ones quantised on load by `quantize_weight`
       (128 x 128 blocks); False: the unquantised path (FP8 weights dequantised to param_dtype).
     fused, tp_axis, ar_strategy, dtype, param_dtype, implementation: as for `LlamaForCausalLM`.
+    mesh: parameters are placed on it, split over `tp_axis` as `tp_apply` splits them, each
+      process reading from a checkpoint directory only the slices its devices hold (a GGUF
+      file is read whole, then placed).
 
   A GGUF file's weights are quantised in llama.cpp's formats (Q4_1, Q8_0, ...): they are
   dequantised to `param_dtype` masters (bf16 by default; those are what fp8=False runs), and
@@ -128,7 +134,13 @@ def from_pretrained(path: str | os.PathLike, *, fp8: bool | None = None,
   kw = dict(fused=fused, tp_axis=tp_axis, ar_strategy=ar_strategy, dtype=dtype,
             param_dtype=param_dtype, implementation=implementation)
   if os.fspath(path).endswith(".gguf"):
-    return from_tensors(*gguf.read(path), fp8=bool(fp8), fmt=fmt, **kw)
-  model = _from_checkpoint(path, fp8=fp8, fmt=fmt, **kw)
+    model = from_tensors(*gguf.read(path), fp8=bool(fp8), fmt=fmt, **kw)
+    if mesh is not None:
+      where = param_shardings(model, mesh)
+      for _, var in nnx.graph.iter_graph(model):
+        if isinstance(var, nnx.Variable):
+          var.set_value(place(var.get_value(), where(var)))
+    return model
+  model = _from_checkpoint(path, fp8=fp8, fmt=fmt, mesh=mesh, **kw)
   check_loaded(model)
   return model

@@ -5,19 +5,20 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
-from jfusedq.checkpoint import Checkpoint, MissingTensorError, load_array, load_linear
+from jfusedq.checkpoint import (Checkpoint, MissingTensorError, lazy, load_array, load_experts,
+                                load_linear)
+from jfusedq.checkpoint.linear import FLOATS
 from jfusedq.fp8 import Fp8Format
-from jfusedq.nn import Fp8Linear, quantize_weight
-from jfusedq.ops.fp8_matmul.reference import dequantize_weight
+from jfusedq.nn import Fp8Linear
 from models.common import check_loaded, checkpoint_quant, set_param
 from models.common.layers import Impl
 from models.common.loading import open_checkpoint, report_unread
-from models.common.sharding import BLOCK
+from models.common.sharding import param_shardings
 from models.qwen3_5.config import GDN, MODEL_TYPES, Qwen35Config
 from models.qwen3_5.layers import MLP, Attention, GatedDeltaNet, SparseMoe
 from models.qwen3_5.model import Qwen35ForCausalLM
@@ -44,37 +45,25 @@ def _grouped_rows(cfg: Qwen35Config) -> tuple[np.ndarray, np.ndarray, np.ndarray
   return np.concatenate(qkvz), np.concatenate(conv), np.concatenate(ba)
 
 
-def _permute_rows(w, s, rows: np.ndarray, fmt: Fp8Format | None):
-  """Rows `rows` of a projection (fp8 + block scale, or dense). FP8 blocks move whole when
-  `rows` maps aligned 128-row blocks to aligned blocks; otherwise dequantise, permute, requantise
-  (codes then change)."""
-  if s is None:
-    return w[rows], None
-  blocks = rows.reshape(-1, BLOCK) if rows.size % BLOCK == 0 else None
-  if blocks is not None and np.all(blocks[:, 0] % BLOCK == 0) and np.all(
-      blocks == blocks[:, :1] + np.arange(BLOCK)):
-    return w[rows], s[blocks[:, 0] // BLOCK]
-  return quantize_weight(dequantize_weight(w, s)[rows], fmt)
-
-
 class _Loader:
   """Fills an abstract model from a checkpoint, naming the tensor in every error."""
 
-  def __init__(self, ckpt: Checkpoint, model: Qwen35ForCausalLM):
+  def __init__(self, ckpt: Checkpoint, model: Qwen35ForCausalLM, mesh: Mesh | None):
     self.ckpt, self.model, self.cfg = ckpt, model, model.cfg
     lm = "model.language_model."
     self.p = lm if f"{lm}embed_tokens.weight" in ckpt else "model."
     self.pdt = model.opts.param_dtype
+    self.where = param_shardings(model, mesh)
 
   def array(self, var, name: str, shape):
-    set_param(var, load_array(self.ckpt, name, shape, self.pdt), self.ckpt.prefix + name)
+    set_param(var, load_array(self.ckpt, name, shape, self.pdt, self.where(var)),
+              self.ckpt.prefix + name)
 
   def linear(self, mod, names, k: int, rows: np.ndarray | None = None) -> None:
     """A projection from one or more checkpoint modules (concatenated along N, then `rows`)."""
     fmt = self.model.opts.quant.fmt if isinstance(mod, Fp8Linear) else None
-    w, s = load_linear(self.ckpt, names, in_features=k, fmt=fmt, dtype=self.pdt)
-    if rows is not None:
-      w, s = _permute_rows(w, s, rows, fmt)
+    w, s = load_linear(self.ckpt, names, in_features=k, fmt=fmt, dtype=self.pdt, rows=rows,
+                       sharding=self.where(mod.weight))
     label = "+".join(names) if isinstance(names, (list, tuple)) else names
     set_param(mod.weight, w, label)
     if s is not None:
@@ -89,24 +78,27 @@ class _Loader:
     if f"{base}experts.0.gate_proj.weight" in self.ckpt:
       for p, mod in mods.items():
         fmt = self.model.opts.quant.fmt if mod.weight_scale_inv is not None else None
-        parts = [load_linear(self.ckpt, f"{base}experts.{i}.{p}",
-                             in_features=inter if p == "down_proj" else h, fmt=fmt,
-                             dtype=self.pdt) for i in range(e)]
-        set_param(mod.weight, jnp.stack([w for w, _ in parts]), f"{base}experts.*.{p}")
-        if fmt is not None:
-          set_param(mod.weight_scale_inv, jnp.stack([s for _, s in parts]),
-                    f"{base}experts.*.{p} (weight_scale_inv)")
+        w, s = load_experts(self.ckpt, [f"{base}experts.{i}.{p}" for i in range(e)],
+                            in_features=inter if p == "down_proj" else h, fmt=fmt,
+                            dtype=self.pdt, sharding=self.where(mod.weight))
+        set_param(mod.weight, w, f"{base}experts.*.{p}")
+        if s is not None:
+          set_param(mod.weight_scale_inv, s, f"{base}experts.*.{p} (weight_scale_inv)")
     elif fused in self.ckpt:
       # HF Qwen3_5MoeExperts: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
-      gu = load_array(self.ckpt, fused, (e, 2 * inter, h), jnp.float32)
-      dn = load_array(self.ckpt, f"{base}experts.down_proj", (e, h, inter), jnp.float32)
-      for mod, w, name in ((moe.experts_gate, gu[:, :inter], fused),
-                           (moe.experts_up, gu[:, inter:], fused),
+      stored = lambda name, shape: lazy.F32(self.ckpt.tensor(name, shape=shape, dtype=FLOATS))
+      gu = stored(fused, (e, 2 * inter, h))
+      dn = stored(f"{base}experts.down_proj", (e, h, inter))
+      for mod, w, name in ((moe.experts_gate, lazy.Take(gu, np.arange(inter), 1), fused),
+                           (moe.experts_up, lazy.Take(gu, np.arange(inter, 2 * inter), 1), fused),
                            (moe.experts_down, dn, f"{base}experts.down_proj")):
         if mod.weight_scale_inv is None:
-          set_param(mod.weight, w.astype(self.pdt), self.ckpt.prefix + name)
+          set_param(mod.weight, lazy.place(w, self.pdt, self.where(mod.weight)),
+                    self.ckpt.prefix + name)
         else:
-          q, s = jax.vmap(lambda a: quantize_weight(a, self.model.opts.quant.fmt))(w)
+          fmt = self.model.opts.quant.fmt
+          q, s = lazy.place_fp8(lazy.StackFp8([lazy.Quantized(lazy.Pick(w, i), fmt)
+                                               for i in range(e)]), self.where(mod.weight))
           set_param(mod.weight, q, self.ckpt.prefix + name)
           set_param(mod.weight_scale_inv, s, self.ckpt.prefix + name + " (scales)")
     else:
@@ -125,11 +117,13 @@ class _Loader:
     else:
       self.linear(m.in_proj_qkvz, [base + "in_proj_qkv", base + "in_proj_z"], h, qkvz_rows)
       self.linear(m.in_proj_ba, [base + "in_proj_b", base + "in_proj_a"], h, ba_rows)
-    conv = load_array(self.ckpt, base + "conv1d.weight", (c, 1, cfg.conv_kernel), self.pdt)
-    set_param(m.conv_weight, conv[:, 0][conv_rows], self.ckpt.prefix + base + "conv1d.weight")
+    conv = self.ckpt.tensor(base + "conv1d.weight", shape=(c, 1, cfg.conv_kernel), dtype=FLOATS)
+    conv = lazy.Take(lazy.Pick(conv, 0, axis=1), conv_rows)
+    set_param(m.conv_weight, lazy.place(conv, self.pdt, self.where(m.conv_weight)),
+              self.ckpt.prefix + base + "conv1d.weight")
     # A_log and dt_bias keep f32 (released checkpoints store them so).
     for var, n in ((m.A_log, "A_log"), (m.dt_bias, "dt_bias")):
-      set_param(var, load_array(self.ckpt, base + n, (hv,), jnp.float32),
+      set_param(var, load_array(self.ckpt, base + n, (hv,), jnp.float32, self.where(var)),
                 self.ckpt.prefix + base + n)
     self.array(m.norm_weight, base + "norm.weight", (cfg.linear_value_head_dim,))
     self.linear(m.out_proj, base + "out_proj", hv * cfg.linear_value_head_dim)
@@ -188,8 +182,8 @@ def _text_name(module: str) -> str:
 def from_pretrained(path: str | os.PathLike, *, fp8: bool | None = None,
                     fmt: Fp8Format | str | None = None, fused: bool | Sequence[bool] = True,
                     tp_axis: str | None = None, ar_strategy: str | Sequence[str] | None = None,
-                    dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                    implementation: Impl = None) -> Qwen35ForCausalLM:
+                    dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, implementation: Impl = None,
+                    mesh: Mesh | None = None) -> Qwen35ForCausalLM:
   """A model from a Hugging Face checkpoint directory (config.json + safetensors, with or
   without model.safetensors.index.json; text `model.*` or VLM `model.language_model.*` names).
 
@@ -202,6 +196,8 @@ def from_pretrained(path: str | os.PathLike, *, fp8: bool | None = None,
       f32 dtypes: the exact comparison with HF).
     fused, tp_axis, ar_strategy, dtype, param_dtype, implementation: as for
       `Qwen35ForCausalLM`.
+    mesh: parameters are placed on it, split over `tp_axis` as `tp_apply` splits them, each
+      process reading only the slices its devices hold.
   Experts may be stored per expert (`experts.{e}.{gate,up,down}_proj.weight`, as save_pretrained
   and the FP8 releases write) or fused (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`,
   high precision, as the bf16 releases store them).
@@ -215,7 +211,7 @@ def from_pretrained(path: str | os.PathLike, *, fp8: bool | None = None,
   model = nnx.eval_shape(lambda: Qwen35ForCausalLM(
       cfg, fp8=quant or False, fused=fused, tp_axis=tp_axis, ar_strategy=ar_strategy,
       dtype=dtype, param_dtype=param_dtype, implementation=implementation, rngs=nnx.Rngs(0)))
-  _Loader(ckpt, model).load()
+  _Loader(ckpt, model, mesh).load()
   check_loaded(model)
   report_unread(ckpt)
   return model

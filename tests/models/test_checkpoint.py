@@ -213,3 +213,36 @@ def test_modules_to_not_convert(tmp_path):
   assert attn.o_proj.weight[...].dtype == jnp.bfloat16
   assert attn.q_b_proj.weight[...].dtype == jnp.float8_e4m3fn
   assert model.layers[1].self_attn.o_proj.weight[...].dtype == jnp.float8_e4m3fn
+
+
+@pytest.mark.parametrize("family, path, kw, tp", [
+    ("ds", "fp8", {}, 2),  # FP8 as stored; q_a + kv_a concatenated; stacked experts
+    ("ds", "fp8", dict(fmt="e4m3fnuz"), 2),  # codes reinterpreted, scales doubled
+    ("ds", "hf", dict(fp8=True), 2),  # quantised on load
+    ("ds", "fp8", dict(fp8=False), 2),  # dequantised
+    ("qwen", "fp8", dict(fp8=True), 2),  # GDN rows permuted (qkv + z, b + a), conv channels
+    ("qwen", "bf16_vlm", dict(fp8=True), 2),  # fused experts, quantised per expert
+    ("qwen", "hf", dict(fp8=False, dtype=jnp.float32, param_dtype=jnp.float32), 4),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_load_onto_mesh(family, path, kw, tp):
+  """A model loaded onto a mesh holds every parameter split as tp_apply splits it, with the
+  bits of the one loaded whole (each shard read and built alone)."""
+  import jax
+  from flax import nnx
+  from test_qwen3_5 import ref as qwen_ref
+
+  from models import qwen3_5 as qw
+  from models.common import param_names
+  load, path = ((ds.from_pretrained, ref.ref_path(path)) if family == "ds" else
+                (qw.from_pretrained, qwen_ref(path)))
+  mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp])
+  whole, split = load(path, tp_axis="tp", **kw), load(path, tp_axis="tp", mesh=mesh, **kw)
+  state = nnx.state(split)
+  specs = split.partition_specs(state)
+  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  for (p, got), want, spec in zip(leaves, jax.tree.leaves(nnx.state(whole)), jax.tree.leaves(
+      specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))):
+    name = ".".join(param_names(p))
+    assert got.sharding == jax.sharding.NamedSharding(mesh, spec), name
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                  np.asarray(want).view(np.uint8), err_msg=name)
