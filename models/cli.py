@@ -5,9 +5,10 @@
   jfusedq demo   the fused add + RMSNorm + FP8 quant op alone, on the default device
   jfusedq plot   a PNG of a benchmark results file
 
-Bad input (an unknown preset, a checkpoint folder without config.json, --tp that does not
-split the heads, ...) is reported as one line on stderr with exit status 2, checked before
-anything compiles; JAX is imported only once the arguments are known good.
+Bad input (an unknown preset, a checkpoint folder without config.json, a GGUF file of another
+architecture, --tp that does not split the heads, ...) is reported as one line on stderr with
+exit status 2, checked before anything compiles; JAX is imported only once the arguments are
+known good.
 """
 
 from __future__ import annotations
@@ -111,18 +112,30 @@ def demo(args) -> int:
   return 0
 
 
-def _hf_config(args) -> dict:
-  """The preset's or the checkpoint's config dict, or UsageError naming what is wrong."""
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
+
+
+def _hf_config(args) -> dict | None:
+  """The preset's or the checkpoint folder's config dict (None for a GGUF file, whose
+  metadata `_check_model` reads), or UsageError naming what is wrong."""
   if not args.checkpoint:
     if args.model not in PRESETS:
       raise UsageError(f"unknown preset {args.model!r}; choose from {', '.join(PRESETS)}")
     return PRESETS[args.model]
   path = args.checkpoint
+  if path.endswith(".gguf"):
+    if not os.path.isfile(path):
+      raise UsageError(f"checkpoint {path}: no such file")
+    with open(path, "rb") as f:
+      if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+        raise UsageError(f"checkpoint {path}: not a GGUF file (it does not start with "
+                         f"{GGUF_MAGIC!r})")
+    return None
   if not os.path.exists(path):
     raise UsageError(f"checkpoint {path}: no such folder")
   if not os.path.isdir(path):
     raise UsageError(f"checkpoint {path}: not a folder (a Hugging Face checkpoint is a folder "
-                     f"with config.json and *.safetensors)")
+                     f"with config.json and *.safetensors; a GGUF file's name ends in .gguf)")
   config = os.path.join(path, "config.json")
   if not os.path.isfile(config):
     raise UsageError(f"checkpoint {path}: no config.json in the folder")
@@ -136,16 +149,25 @@ def _hf_config(args) -> dict:
   return hf
 
 
-def _check_model(hf: dict, tp: int, where: str) -> None:
-  """Supported model_type and heads that split over `tp` devices (the model's own check_tp, on
-  the config alone: nothing is built)."""
+def _check_model(hf: dict | None, tp: int, where: str) -> None:
+  """Supported model_type (hf None: the GGUF file `where`, a Llama architecture) and heads that
+  split over `tp` devices (the model's own check_tp, on the config alone: nothing is built)."""
   from jfusedq import JfusedqError
   from models import registry
   try:
-    fam = registry.family(hf.get("model_type"))
-    fam.model.sharding.check_tp(types.SimpleNamespace(cfg=fam.config.from_hf(hf)), tp)
+    if hf is None:
+      fam, cfg = registry.gguf_config(where)
+    else:
+      fam = registry.family(hf.get("model_type"))
+      cfg = fam.config.from_hf(hf)
+    fam.model.sharding.check_tp(types.SimpleNamespace(cfg=cfg), tp)
   except (ValueError, JfusedqError) as e:
-    raise UsageError(f"{where}: {e}") from None
+    raise UsageError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
+  except ModuleNotFoundError as e:
+    if e.name != "gguf":
+      raise
+    raise UsageError(f"{where}: reading a GGUF file needs the gguf package (pip install gguf)"
+                     ) from None
 
 
 class _Progress:
@@ -213,7 +235,7 @@ def run(args) -> int:
     return 0  # every process holds the results; process 0 prints them
   print(runner.table(result))
   if args.out:
-    name = os.path.basename(os.path.normpath(where))
+    name = os.path.basename(os.path.normpath(where)).removesuffix(".gguf")
     path = os.path.join(args.out, f"run_{name}.json")
     with open(path, "w") as f:
       json.dump(runner.to_json(result), f, indent=1, default=float)
@@ -286,7 +308,8 @@ def main(argv=None) -> int:
   r.add_argument("--model", default="deepseek-v3-tiny",
                  help=f"preset: {', '.join(PRESETS)} (default %(default)s)")
   r.add_argument("--checkpoint", help="a Hugging Face checkpoint folder (config.json + "
-                                      "*.safetensors) instead of a preset")
+                                      "*.safetensors) or a Llama GGUF file (*.gguf) instead of "
+                                      "a preset")
   r.add_argument("--batch", type=_positive, default=2, help="sequences (default %(default)s)")
   r.add_argument("--prompt-len", type=_positive, default=16,
                  help="prompt tokens, the positions the numerics compare (default %(default)s)")

@@ -1,5 +1,5 @@
-"""Which model package serves a Hugging Face `model_type`, and the two ways to get a model:
-random weights from a config (`build`) or a checkpoint (`from_pretrained`)."""
+"""Which model package serves a Hugging Face `model_type` (or a GGUF file: Llama), and the two
+ways to get a model: random weights from a config (`build`) or a checkpoint (`from_pretrained`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from flax import nnx
 
 from jfusedq.checkpoint import ConfigError, read_config
 from models import deepseek_v3, llama, qwen3_5
+from models.llama import gguf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,17 @@ def family(model_type: str | None) -> Family:
   return MODEL_TYPES[model_type]
 
 
+def is_gguf(path: str | os.PathLike) -> bool:
+  """Whether `path` names a GGUF file (llama.cpp's format), which the Llama package reads."""
+  return os.fspath(path).endswith(".gguf")
+
+
+def gguf_config(path: str | os.PathLike) -> tuple[Family, llama.LlamaConfig]:
+  """The family and config of a GGUF file, from its metadata alone; ValueError for an
+  architecture other than Llama's."""
+  return _FAMILIES[llama], gguf.config(path)
+
+
 def build(hf: dict, *, seed: int = 0, **kw) -> nnx.Module:
   """A model with random weights (from `seed`) for a Hugging Face config dict; `kw`: the
   model's keywords (fp8, fused, tp_axis, ...)."""
@@ -49,8 +61,11 @@ def build(hf: dict, *, seed: int = 0, **kw) -> nnx.Module:
 
 
 def from_pretrained(path: str | os.PathLike, **kw) -> nnx.Module:
-  """A model from a Hugging Face checkpoint directory, by its config.json's `model_type`;
-  `kw`: the package's `from_pretrained` keywords (fp8, fmt, fused, tp_axis, ...)."""
+  """A model from a Hugging Face checkpoint directory, by its config.json's `model_type`, or
+  from a GGUF file (`*.gguf`: Llama); `kw`: the package's `from_pretrained` keywords (fp8, fmt,
+  fused, tp_axis, ...)."""
+  if is_gguf(path):
+    return gguf_config(path)[0].from_pretrained(path, **kw)
   model_type = read_config(os.path.join(path, "config.json")).get("model_type")
   try:
     fam = family(model_type)

@@ -265,3 +265,61 @@ def test_library_input_errors_are_one_line(monkeypatch, capsys):
 def test_device_time_needs_a_gpu_trace():
   """The profiler's kernel time per step comes from GPU planes only; a CPU trace has none."""
   assert runner.device_seconds(lambda: jnp.ones(8) * 2) is None
+
+
+def _gguf(tmp_path, arch: str = "llama") -> str:
+  """llama-tiny as a GGUF file (random weights, two layers) whose metadata names `arch`."""
+  pytest.importorskip("gguf", reason="the gguf package writes the GGUF file")
+  from models import llama
+  from tests.models.llama_files import tensors, write_gguf
+  cfg = llama.LlamaConfig.from_hf(dict(PRESETS["llama-tiny"], num_hidden_layers=2))
+  model = llama.LlamaForCausalLM(cfg, fp8=False, rngs=nnx.Rngs(0))
+  return write_gguf(tmp_path / f"tiny-{arch}.gguf", cfg, tensors(model), arch=arch)
+
+
+def test_run_gguf_checkpoint(tmp_path, capsys):
+  path = _gguf(tmp_path)
+  assert main(["run", "--checkpoint", path, "--batch", "1", "--prompt-len", "4", "--steps", "2",
+               "--repeats", "2", "--out", str(tmp_path)]) == 0
+  assert f"built {path} (2 layers)" in capsys.readouterr().err
+  r = json.loads((tmp_path / "run_tiny-llama.json").read_text())
+  assert list(r["paths"]) == ["bf16", "unfused", "fused"]
+  for pair, a in r["numerics"].items():  # FP8 from the file's weights, not another draw
+    assert a["kl"] < 0.2, pair
+
+
+BAD_GGUF = {
+    "no such file": (["--checkpoint", "/nonexistent/model.gguf"],
+                     "checkpoint /nonexistent/model.gguf: no such file"),
+    "not a GGUF file": (["--checkpoint", "{text}"], "not a GGUF file (it does not start with "),
+    "another architecture": (["--checkpoint", "{qwen2}"],
+                             "general.architecture is 'qwen2', not 'llama'"),
+    "tp not dividing kv heads": (["--checkpoint", "{llama}", "--tp", "8"],
+                                 "tensor parallelism over 8 devices needs "
+                                 "num_key_value_heads=4 divisible by 8"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_GGUF))
+def test_bad_gguf_is_one_line_exit_2_before_building(tmp_path, capsys, monkeypatch, case):
+  argv, want = BAD_GGUF[case]
+  files = {"text": tmp_path / "text.gguf"}
+  files["text"].write_text("a text file")
+  if "{text}" not in argv and "/nonexistent/model.gguf" not in argv:
+    files.update(qwen2=_gguf(tmp_path, "qwen2"), llama=_gguf(tmp_path))
+  monkeypatch.setattr(runner, "run", lambda *a, **kw: pytest.fail("the model was built"))
+  assert main(["run", *[a.format(**files) for a in argv]]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and want in err[0], err
+  assert err[0].count(".gguf:") == 1, err  # the file is named once
+
+
+def test_bad_gguf_path_is_reported_before_jax_is_imported(tmp_path):
+  text = tmp_path / "text.gguf"
+  text.write_text("a text file")
+  code = ("import sys; from models.cli import main; rc = main(sys.argv[1:]); "
+          "assert 'jax' not in sys.modules; sys.exit(rc)")
+  for path in ("/nonexistent/model.gguf", str(text)):
+    p = subprocess.run([sys.executable, "-c", code, "run", "--checkpoint", path], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, (path, p.stderr)

@@ -55,6 +55,23 @@ def _metadata(reader) -> dict:
   return meta
 
 
+def _config(reader, path) -> LlamaConfig:
+  arch = reader.fields.get("general.architecture")
+  if arch is None or arch.contents() != "llama":
+    raise ValueError(f"{path}: general.architecture is "
+                     f"{None if arch is None else arch.contents()!r}, not 'llama'")
+  meta = _metadata(reader)
+  if "vocab_size" not in meta:
+    meta["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+  return LlamaConfig.from_gguf(meta, tied="output.weight" not in {t.name for t in reader.tensors})
+
+
+def config(path: str | os.PathLike) -> LlamaConfig:
+  """A GGUF Llama file's config, from its metadata (no tensor is read); ValueError for another
+  architecture."""
+  return _config(_reader(path), path)
+
+
 def read(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
   """A GGUF Llama file -> (config, {Hugging Face name: f32 array in Hugging Face layout}).
 
@@ -62,15 +79,7 @@ def read(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
   rows are put back into Hugging Face's order (`unpermute_rope`)."""
   from gguf import quants  # optional dependency: only GGUF loading needs it
   reader = _reader(path)
-  arch = reader.fields.get("general.architecture")
-  if arch is None or arch.contents() != "llama":
-    raise ValueError(f"{path}: general.architecture is "
-                     f"{None if arch is None else arch.contents()!r}, not 'llama'")
-  names = {t.name for t in reader.tensors}
-  meta = _metadata(reader)
-  if "vocab_size" not in meta:
-    meta["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
-  cfg = LlamaConfig.from_gguf(meta, tied="output.weight" not in names)
+  cfg = _config(reader, path)
   out = {}
   for t in reader.tensors:
     w = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)

@@ -30,6 +30,7 @@ from jfusedq.testing import rel_rms  # noqa: E402
 from models import llama, registry  # noqa: E402
 from models.common import rotate_half_rope, tp_apply  # noqa: E402
 from models.llama import gguf  # noqa: E402
+from llama_files import tensors, write_gguf  # noqa: E402
 
 TINY = llama.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0,
@@ -53,24 +54,6 @@ def ids(cfg=TINY, b=2, t=12, seed=1):
 @nnx.jit
 def forward(m, x):
   return m(x).logits
-
-
-def tensors(m: llama.LlamaForCausalLM) -> dict[str, np.ndarray]:
-  """The model's high-precision parameters by Hugging Face name (f32 numpy)."""
-  a = lambda v: np.asarray(v[...], np.float32)
-  out = {"model.embed_tokens.weight": a(m.embed_tokens.weight),
-         "model.norm.weight": a(m.norm.weight)}
-  for i, l in enumerate(m.layers):
-    b = f"model.layers.{i}."
-    out[b + "input_layernorm.weight"] = a(l.input_layernorm.weight)
-    out[b + "post_attention_layernorm.weight"] = a(l.post_attention_layernorm.weight)
-    for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      out[b + f"self_attn.{p}.weight"] = a(getattr(l.self_attn, p).weight)
-    for p in ("gate_proj", "up_proj", "down_proj"):
-      out[b + f"mlp.{p}.weight"] = a(getattr(l.mlp, p).weight)
-  if m.lm_head is not None:
-    out["lm_head.weight"] = a(m.lm_head.weight)
-  return out
 
 
 def reference(cfg: llama.LlamaConfig, w: dict, tokens) -> np.ndarray:
@@ -244,37 +227,9 @@ def test_gguf_round_trip(tmp_path):
   """A tiny model written as llama.cpp's converter writes it (GGUF names, permuted q/k rows)
   loads to the same logits."""
   pytest.importorskip("gguf", reason="the gguf package reads GGUF files")
-  import gguf as gg
   m = f32_model()
   cfg = m.cfg
-  names = {v: k for k, v in gguf._LAYER.items()}
-  w = gg.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
-  w.add_block_count(cfg.num_layers)
-  w.add_context_length(64)
-  w.add_embedding_length(cfg.hidden_size)
-  w.add_feed_forward_length(cfg.intermediate_size)
-  w.add_head_count(cfg.num_heads)
-  w.add_head_count_kv(cfg.num_kv_heads)
-  w.add_rope_freq_base(cfg.rope_theta)
-  w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-  w.add_vocab_size(cfg.vocab_size)
-  for name, a in tensors(m).items():
-    if name.startswith("model.layers."):
-      i, rest = name[len("model.layers."):].split(".", 1)
-      part = rest.removesuffix(".weight")
-      if part == "self_attn.q_proj":
-        a = gguf.permute_rope(a, cfg.num_heads)
-      elif part == "self_attn.k_proj":
-        a = gguf.permute_rope(a, cfg.num_kv_heads)
-      gname = f"blk.{i}.{names[part]}.weight"
-    else:
-      gname = {"model.embed_tokens.weight": "token_embd.weight",
-               "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[name]
-    w.add_tensor(gname, a)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
+  write_gguf(tmp_path / "tiny.gguf", cfg, tensors(m))
   loaded = llama.from_pretrained(tmp_path / "tiny.gguf", **F32)
   # GGUF stores eps in f32 (the value the f32 norms compute with either way).
   assert dataclasses.replace(loaded.cfg, rms_norm_eps=cfg.rms_norm_eps) == cfg
