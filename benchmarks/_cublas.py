@@ -2,7 +2,7 @@
 GEMM benchmarks hold `jf.fp8_matmul` to. It runs in a process of its own, started by
 fp8_matmul.py, so that torch's profiler and JAX's never share one.
 
-The DeepSeek format as cuBLAS takes it (PyTorch's block-wise numerics test of `scaled_mm`):
+The DeepSeek format as `scaled_mm` takes it (its shape and stride checks):
   mat_a    the activation's codes `[M, K]`, row-major;
   scale_a  `ScalingType.BlockWise1x128`: `[M, ceil(K/128)]`, outer-dim-major (strides (1, M));
   mat_b    the weight's codes `[N, K]` seen as `[K, N]` (column-major);

@@ -1,5 +1,5 @@
-"""H200 benchmark: block-scaled W8A8 GEMM (DeepSeek format) against XLA's bf16 dot and XLA's
-dequantise-then-dot, in one run.
+"""H200 benchmark: block-scaled W8A8 GEMM (DeepSeek format) against XLA's bf16 dot, XLA's
+dequantise-then-dot and cuBLAS's blockwise FP8 GEMM, in one run.
 
 Per call: FLOPs = 2*M*N*K. Bytes = N*K (fp8 weight) + ceil(N/128)*ceil(K/128)*4 (weight scales)
 + M*K (fp8 activation) + M*ceil(K/128)*4 (activation scales) + M*N*2 (bf16 output).
@@ -36,7 +36,7 @@ the default with a float32 output against cuBLAS's within 1e-4 (two bf16 roundin
 cuBLAS gave bf16). `time_us` is the mean kernel time per call on both sides; cuBLAS's rows add
 the median and p10 / p90 per call. Ours take 2-4 input sets a jit (`prefill_calls`), cuBLAS 8-32
 copies (`torch_calls`). --budget-s bounds the timing loop (M outermost: a run cut short loses
-the largest M); --peer-timeout the torch process. --merge FILE carries FILE's rows for what
+the last M); --peer-timeout the torch process. --merge FILE carries FILE's rows for what
 this run does not measure (a comparison run in parts, e.g. --ms 256 1024 then --ms 4096 16384).
 
 Run: python benchmarks/fp8_matmul.py [--ms 1 4096 ...] [--nks NxK ...] [--extra triton mosaic_gpu]
@@ -79,7 +79,8 @@ MS = DECODE_TOKENS + PREFILL_TOKENS
 SWEEP_MS = (1, 64, 256, 4096)  # M = 16 tiles like M = 1 (block_m 16): ask for it with --ms
 NKS = tuple(PROJECTIONS.values())
 # --prefill: a short prompt's tokens to a long one's, the dense projections and the experts'.
-PREFILL_MS = (256, 1024, 4096, 16384)
+# Run in this order (M outermost), so that a run cut short by --budget-s keeps M = 4096 and 256.
+PREFILL_MS = (4096, 256, 1024, 16384)
 PREFILL_NKS = NKS + tuple(EXPERTS.values())
 CUBLAS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_cublas.py")
 # The GEMMs' gate against the reference (bf16 outputs), and the cross-check of two float32
@@ -398,7 +399,7 @@ def merged(rows: list[dict], path: str | None) -> list[dict]:
 def run_prefill(ms, nks, impls, fp8_peak, bw, bf16, commit, out, tag, budget_s, peer_timeout,
                 merge=None):
   """The --prefill rows (module docstring), written after every case."""
-  # M outermost: a run cut short by the budget loses the largest M, not a shape.
+  # M outermost: a run cut short by the budget loses the last M, not a shape.
   cases = [(m, n, k) for m in ms for n, k in nks]
   peer, why = ({}, "not asked for") if "cublas_blockwise" not in impls else cublas_peer(
       [(*c, torch_calls(*c)) for c in cases], lambda i: prefill_problem(*cases[i], i)(1)[0],
