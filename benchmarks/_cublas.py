@@ -12,14 +12,15 @@ The DeepSeek format as `scaled_mm` takes it (its shape and stride checks):
 Both scales multiply the codes, as jfusedq's do. cuBLAS needs K and N to be multiples of 16.
 
 Timing, as `_harness.measure` times ours: a distinct copy of the operands per call (so the L2
-serves no call another's reads), a warm-up pass over the copies (cuBLAS picks its kernel on a
-shape's first call), then one pass under `torch.profiler`; a call's time is the sum of its
+serves no call another's reads) and every output kept to the end of the pass, a warm-up pass
+(cuBLAS picks its kernel on a shape's first call), then one pass under `torch.profiler`; a
+call's time is the sum of its
 kernels' durations (memsets and copies included). `time_us` is the mean over the calls (the
 harness's figure), with the median and p10 / p90. The output checked by fp8_matmul.py is that of
 one more call in float32 (bf16 where cuBLAS declines float32), every `step`-th row.
 
   python benchmarks/_cublas.py --probe  torch's version, scaled_mm's signature and docstring,
-                                        small blockwise calls checked against an f32 emulation
+                                        small blockwise calls checked against a float64 emulation
   python benchmarks/_cublas.py DIR      the cases of DIR/cases.json (from fp8_matmul.py):
                                         DIR/results.json (rewritten after every case) and
                                         DIR/<id>_out.npy
@@ -118,14 +119,15 @@ def run_case(torch, scaled_mm, recipes, case: dict, d: str) -> dict:
     out, out_dtype = call(copies[0], torch.bfloat16), "bfloat16"
   np.save(os.path.join(d, f"{i}_out.npy"), out[::step].float().cpu().numpy())
   del out
-  for ops in copies:
-    call(ops, torch.bfloat16)
+  # Every output kept until the pass ends, as a jit's are: each call writes fresh memory.
+  outs = [call(ops, torch.bfloat16) for ops in copies]
   torch.cuda.synchronize()
+  del outs
   acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
   with torch.profiler.profile(activities=acts) as prof:
-    for ops in copies:
-      call(ops, torch.bfloat16)
+    outs = [call(ops, torch.bfloat16) for ops in copies]
     torch.cuda.synchronize()
+  del outs
   with tempfile.TemporaryDirectory() as t:
     spans = kernel_spans(prof, os.path.join(t, "trace.json"))
   if not spans:
