@@ -385,15 +385,19 @@ def prefill_case(m, n, k, seed, impls, theirs) -> dict[str, dict]:
 
 def merged(rows: list[dict], path: str | None) -> list[dict]:
   """`rows`, then those of the results file at `path` for every (case, impl) they lack, each
-  keeping its own run's commit, date and ceilings (--merge: a comparison run in parts)."""
+  keeping its own run's commit, date and ceilings (--merge: a comparison run in parts). A row
+  that replaces one of the file's takes its `default` mark where it has none."""
   if not path:
     return rows
   with open(path) as f:
     doc = json.load(f)
-  have = {(json.dumps(r["case"], sort_keys=True), r["impl"]) for r in rows}
-  return rows + [{"commit": doc["commit"], "date": doc["date"], "ceilings": doc["ceilings"], **r}
-                 for r in doc["rows"]
-                 if (json.dumps(r["case"], sort_keys=True), r["impl"]) not in have]
+  key = lambda r: (json.dumps(r["case"], sort_keys=True), r["impl"])
+  old = {key(r): r for r in doc["rows"]}
+  new = [r if "default" not in old.get(key(r), {}) else {"default": old[key(r)]["default"], **r}
+         for r in rows]
+  have = {key(r) for r in rows}
+  return new + [{"commit": doc["commit"], "date": doc["date"], "ceilings": doc["ceilings"], **r}
+                for r in doc["rows"] if key(r) not in have]
 
 
 def run_prefill(ms, nks, impls, fp8_peak, bw, bf16, commit, out, tag, budget_s, peer_timeout,

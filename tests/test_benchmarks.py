@@ -125,12 +125,12 @@ def test_scaling_names():
 
 
 def test_merge_keeps_other_runs(tmp_path):
-  """--merge: a run's rows, then the file's rows for what it did not measure, each with its own
-  run's commit, date and ceilings."""
+  """--merge: a run's rows (with the `default` mark of the rows they replace), then the file's
+  rows for what it did not measure, each with its own run's commit, date and ceilings."""
   sys.path.insert(0, str(BENCHMARKS))
   import fp8_matmul as bench
   old = {"commit": "a" * 7, "date": "2026-12-01", "ceilings": {"copy_tbps": 4.2}, "rows": [
-      {"case": {"M": 256}, "impl": "default", "time_us": 9.0},
+      {"case": {"M": 256}, "impl": "default", "time_us": 9.0, "default": True},
       {"case": {"M": 4096}, "impl": "default", "time_us": 90.0},
       {"case": {"M": 4096}, "impl": "xla", "time_us": 99.0, "commit": "b" * 7}]}
   (tmp_path / "old.json").write_text(json.dumps(old))
@@ -138,4 +138,5 @@ def test_merge_keeps_other_runs(tmp_path):
                       str(tmp_path / "old.json"))
   assert [(r["case"]["M"], r["time_us"], r.get("commit")) for r in rows] == [
       (256, 8.0, None), (4096, 90.0, "a" * 7), (4096, 99.0, "b" * 7)]
-  assert rows[1]["ceilings"] == {"copy_tbps": 4.2} and bench.merged(rows, None) == rows
+  assert rows[0]["default"] and rows[1]["ceilings"] == {"copy_tbps": 4.2}
+  assert bench.merged(rows, None) == rows
