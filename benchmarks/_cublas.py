@@ -263,6 +263,18 @@ def probe() -> int:
     except Exception as e:  # noqa: BLE001
       print(f"\nscaled_grouped_mm with blockwise 1x128 / 128x128 scales: declined "
             f"({type(e).__name__}: {str(e).splitlines()[0][:300]})")
+  # The timed path itself (files, copies, profiler, per-call sums) on the last shape.
+  with tempfile.TemporaryDirectory() as d:
+    for part, t in (("a", qa), ("a_scale", sa), ("w", qw), ("w_scale", sw)):
+      np.save(os.path.join(d, f"0_{part}.npy"), t.numpy())
+    case = dict(id=0, M=qa.shape[0], N=qw.shape[0], K=qa.shape[1], calls=8, step=1)
+    try:
+      res = run_case(torch, scaled_mm, (rec_a, rec_b), case, d)
+      print(f"\ntimed as a case: {res}")
+      failed += res["median_us"] is None
+    except Exception:  # noqa: BLE001
+      failed += 1
+      print(f"\ntimed as a case: FAILED\n{traceback.format_exc(limit=3)}")
   print(f"\nprobe: {'all calls ok' if not failed else f'{failed} FAILED'}")
   return 1 if failed else 0
 
