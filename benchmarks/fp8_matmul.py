@@ -294,14 +294,14 @@ def kernel_family(row: dict) -> str | None:
   return re.sub(r"[_.]?\d+", "", max(top, key=top.get)) if top else None
 
 
+KERNELS = ("mosaic_gpu", "triton", "pallas", "xla")
 # The default last: its kernels name the implementation it picked (`pick`), whose check it shares.
 PREFILL_IMPLS = {
     "xla_bf16": IMPLS["xla_bf16"],
     **{impl: (lambda x, qa, qw, sw, wb, impl=impl: fp8_matmul(qa, qw, sw, implementation=impl))
-       for impl in ("mosaic_gpu", "triton", "pallas", "xla")},
+       for impl in KERNELS},
     "default": lambda x, qa, qw, sw, wb: fp8_matmul(qa, qw, sw),
 }
-KERNELS = ("mosaic_gpu", "triton", "pallas", "xla")
 
 
 def checked(got, want, theirs) -> dict:
@@ -413,6 +413,7 @@ def run_prefill(ms, nks, impls, fp8_peak, bw, bf16, commit, out, tag, budget_s, 
   name = "fp8_matmul_prefill" + (f"_{tag}" if tag else "")
   ceilings = {"copy_tbps": round(bw, 3), "bf16_tflops": round(bf16, 1)}
   rows, start = [], time.perf_counter()
+  fmt = lambda v, spec: "-".rjust(int(spec.split(".")[0])) if v is None else format(v, spec)
   print(f"{'M':>5} {'N':>6} {'K':>6} {'impl':>16} {'us':>9} {'TFLOP/s':>8} {'vs_bf16':>7} "
         f"{'vs_cuBLAS':>9} {'err_ref':>8} {'err_cuBLAS':>10} pick")
   for i, (m, n, k) in enumerate(cases):
@@ -441,7 +442,6 @@ def run_prefill(ms, nks, impls, fp8_peak, bw, bf16, commit, out, tag, budget_s, 
           **{key: (float(f"{v:.3g}") if key.startswith("err") and isinstance(v, float) else
                    bool(v) if key == "correct" else v) for key, v in r.items()}))
       row = rows[-1]
-      fmt = lambda v, spec: "-".rjust(int(spec.split(".")[0])) if v is None else format(v, spec)
       print(f"{m:>5} {n:>6} {k:>6} {impl:>16} {fmt(row['time_us'], '9.2f')} "
             f"{fmt(row['tflops'], '8.1f')} {fmt(row['vs_xla'], '7.3f')} "
             f"{fmt(row['vs_cublas'], '9.3f')} {fmt(row.get('err_vs_reference'), '8.2e')} "
