@@ -16,9 +16,9 @@ from models.llama import gguf
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-  """One model package: its config (`from_hf(config.json dict)`), its model class (built as
-  `model(cfg, *, fp8, fused, tp_axis, ar_strategy, dtype, param_dtype, implementation, rngs)`)
-  and its `from_pretrained(path, **same keywords)`."""
+  """One model package: its config (`from_hf(config.json dict)`), its model class (a
+  `models.common.CausalLM`) and its `from_pretrained(path, **kw)` (fp8, fmt and the model's
+  build keywords)."""
 
   config: type
   model: type

@@ -1,6 +1,6 @@
-"""`CausalLM`: the embedding, decoder-layer stack, final norm and LM head that every model
-package's model class is, and the calls they answer alike (the input checks, the layer loop,
-the tensor-parallel specs)."""
+"""`CausalLM`, the base of every model package's class: the embedding, decoder layers, final
+norm and LM head, and what the three answer alike (the input checks, the layer loop, the
+tensor-parallel specs)."""
 
 from __future__ import annotations
 

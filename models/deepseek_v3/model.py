@@ -8,9 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from jfusedq.fp8 import BLOCK
-from models.common import is_fp8
+from models.common import CausalLM, is_fp8
 from models.common.layers import check_cache_args
-from models.common.model import CausalLM
 from models.deepseek_v3 import sharding
 from models.deepseek_v3.layers import DecoderLayer, KVCache
 from models.deepseek_v3.rope import rope_tables

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from models.common import CausalLM
 from models.common.layers import check_cache_args
-from models.common.model import CausalLM
 from models.llama import sharding
 from models.llama.layers import DecoderLayer
 
@@ -18,7 +18,7 @@ class LlamaForCausalLM(CausalLM):
     h, r = layer(h, r)                        for each decoder layer (`layers.DecoderLayer`)
     logits = lm_head(norm(psum(h) + r))       (the embedding matrix when tied), high precision
 
-  Built as `models.common.model.CausalLM` (cfg: a `LlamaConfig`). Limits: every sequence of a
+  Built as `models.common.CausalLM` (cfg: a `LlamaConfig`). Limits: every sequence of a
   batch sits at the same position (no padding masks); under TP the attention and KV heads must
   divide by the device count.
   """

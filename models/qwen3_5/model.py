@@ -7,9 +7,8 @@ from collections.abc import Sequence
 
 import jax
 
-from models.common import CausalLMOutput
+from models.common import CausalLM, CausalLMOutput
 from models.common.layers import check_cache_args
-from models.common.model import CausalLM
 from models.qwen3_5 import sharding
 from models.qwen3_5.config import GDN
 from models.qwen3_5.layers import DecoderLayer
@@ -22,7 +21,7 @@ class Qwen35ForCausalLM(CausalLM):
     h, r = layer(h, r)              for each decoder layer (`layers.DecoderLayer`)
     logits = lm_head(norm(psum(h) + r))   (the embedding matrix when tied; norm: y * (1 + w))
 
-  Built as `models.common.model.CausalLM` (cfg: a `Qwen35Config`). Limits: every sequence of a
+  Built as `models.common.CausalLM` (cfg: a `Qwen35Config`). Limits: every sequence of a
   batch sits at the same position (no padding masks); under TP the key heads of GDN, the
   attention heads and KV heads must divide by the device count (KV heads are not replicated
   across devices); the MoE is the dense all-experts formulation.
