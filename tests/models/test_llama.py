@@ -30,7 +30,7 @@ from jfusedq.testing import rel_rms  # noqa: E402
 from models import llama, registry  # noqa: E402
 from models.common import rotate_half_rope, tp_apply  # noqa: E402
 from models.llama import gguf  # noqa: E402
-from llama_files import tensors, write_gguf  # noqa: E402
+from tests.models.llama_files import tensors, write_gguf  # noqa: E402
 
 TINY = llama.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0,
