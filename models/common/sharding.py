@@ -101,7 +101,8 @@ def place(a, sharding: NamedSharding) -> jax.Array:
                                                   a.is_fully_addressable)
   if sharding.is_fully_addressable or not local:
     return jax.device_put(a, sharding)
-  return jax.make_array_from_callback(jnp.shape(a), sharding, lambda idx: a[idx])
+  return jax.make_array_from_callback(jnp.shape(a), sharding, lambda idx: a[idx],
+                                      dtype=a.dtype)
 
 
 def tp_apply(model: nnx.Module, mesh: jax.sharding.Mesh, *, with_cache: bool = False,
