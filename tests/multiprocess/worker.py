@@ -34,11 +34,6 @@ from jax.sharding import PartitionSpec as P
 from models import distributed
 from models.common.sharding import place
 
-# tests/models/test_llama.py imports its sibling llama_files, as pytest puts tests/models on the
-# path.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "models"))
-
 GROUPS = 2  # processes of the multi-process run (devices are grouped so in one process too)
 BATCH, PROMPT = 2, 8
 TOKENS, HIDDEN = 16, 256  # all-reduce inputs: [TOKENS, HIDDEN] per device
