@@ -41,6 +41,12 @@ def test_safetensors_roundtrip(tmp_path):
     np.testing.assert_array_equal(np.atleast_1d(f[k]).view(np.uint8),
                                   np.atleast_1d(v).view(np.uint8), err_msg=k)
   assert set(load_file(path)) == set(tensors)
+  # A read by index: a range per axis sliced, other indices gathered (their outer product).
+  v = tensors["t3.float8_e4m3fn"]
+  for idx in ((np.arange(1, 3), np.arange(8)), (np.array([2, 0]), np.arange(2, 7, 2))):
+    got = f.read("t3.float8_e4m3fn", idx)
+    np.testing.assert_array_equal(got.view(np.uint8), v[np.ix_(*idx)].view(np.uint8))
+    assert got.flags.writeable  # a copy, not a view of the memory map
 
 
 def test_reads_pytorch_files():
