@@ -9,16 +9,16 @@ merging identical calls and the L2 from serving repeated reads.
 from __future__ import annotations
 
 import datetime
-import glob
 import json
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from models.run import gpu_kernels, profile
 
 
 def wall(fn, *args, reps: int = 7) -> float:
@@ -71,12 +71,7 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
     jax.block_until_ready(f(sets[:n]))
   if hlo:
     result["hlo"] = f.lower(sets[:n]).compile().as_text()
-  with tempfile.TemporaryDirectory() as d:
-    jax.profiler.start_trace(d)
-    jax.block_until_ready(f(sets[:n]))
-    jax.profiler.stop_trace()
-    paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-    data = jax.profiler.ProfileData.from_file(paths[0]) if paths else None
+  data = profile(lambda: f(sets[:n]))
   if steady:
     per, enqueue = [], []
     for _ in range(7):
@@ -94,7 +89,7 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
       jax.block_until_ready(outs)
     result.update(steady_s=statistics.median(per), enqueue_s=statistics.median(enqueue),
                   dispatch_s=statistics.median(burst))
-  total_ns, count, gpus, by_name, idle_ns, gaps, host = 0.0, 0, 0, {}, 0.0, {}, {}
+  host = {}
   for plane in data.planes if data else ():
     if plane.name.startswith("/host:"):
       for line in plane.lines:
@@ -102,20 +97,18 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
           if not ev.name.startswith("$"):  # a Python frame
             us, calls = host.get(name := ev.name[:80], (0.0, 0))
             host[name] = (us + ev.duration_ns * 1e-3, calls + 1)
-    if plane.name.startswith("/device:GPU"):
-      spans = []
-      for line in plane.lines:
-        if line.name.startswith("Stream"):
-          for ev in line.events:
-            total_ns += ev.duration_ns
-            by_name[ev.name] = by_name.get(ev.name, 0.0) + ev.duration_ns
-            spans.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
-      count += len(spans)
-      # Only GPUs that ran something: a one-GPU program on a two-GPU host halved its times.
-      gpus += bool(spans)
-      for key, ns in idle_gaps(spans).items():
-        idle_ns += ns
-        gaps[key] = gaps.get(key, 0.0) + ns
+  # Only GPUs that ran something (gpu_kernels): a one-GPU program on a two-GPU host halved its
+  # times.
+  per_gpu = gpu_kernels(data)
+  total_ns, count, gpus, by_name, idle_ns, gaps = 0.0, 0, len(per_gpu), {}, 0.0, {}
+  for spans in per_gpu:
+    for start, end, name in spans:
+      total_ns += end - start
+      by_name[name] = by_name.get(name, 0.0) + end - start
+    count += len(spans)
+    for key, ns in idle_gaps(spans).items():
+      idle_ns += ns
+      gaps[key] = gaps.get(key, 0.0) + ns
   if count:
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     result.update(kernel_s=total_ns * 1e-9 / n / gpus, kernels_per_call=count / n / gpus,

@@ -21,10 +21,12 @@ linear-attention layers counts once although it is also rewritten). Activations 
 With --tp > 1 no floor is given (`roofline_frac` null): the weights' per-device split is the
 model's own (heads, intermediate dims; embeddings and norms replicated), not counted here.
 
-Correctness, per row: the step's logits against the same path (fused or unfused) built with
-`implementation="xla"` from the same seed (the same weights), run on the same device and
-tokens. Both round at the same places; what is left is the kernels' f32 summation order and
-the FP8 codes it moves by a step, which the random-weight presets amplify layer by layer.
+Correctness, per row: the step's logits against the same path (fused or unfused) on
+`implementation="xla"`, holding the very same weight arrays (`Built.make`: no second copy, so
+the deep presets, whose bf16 masters and FP8 weights take half an H200, are checked too), run
+on the same device and tokens. Both round at the same places; what is left is the kernels' f32
+summation order and the FP8 codes it moves by a step, which the random-weight presets amplify
+layer by layer.
 `correct` = finite and within XLA_TOL: a gate for broken kernels (O(1) apart), the tight
 numerics being in tests/. The fused-vs-unfused distance is reported but does not gate: the
 paths differ by design (one bf16 rounding of the norm; 0.07-0.47 measured on the H200).
@@ -123,23 +125,26 @@ def main():
       print(f"{preset}: not a preset here, skipped")
       continue
 
-    def paths(b: runner.Built) -> dict:
-      """{fused: (model, forward, params)}, once per preset: the unfused model is a rebuild."""
-      models = {f: b.model if f else b.make(False) for f in (False, True)}
+    # One set of weights for every backend and the XLA reference: each is the same arrays
+    # rebound with another `implementation`.
+    built = runner.build(preset, tp=args.tp)
+
+    def paths(impl) -> dict:
+      """{fused: (model, forward, params)} on backend `impl`."""
+      models = {f: built.make(f, implementation=impl) for f in (False, True)}
       return {f: (m, *runner.forward_fn(m, args.tp)) for f, m in models.items()}
 
-    ref_paths = paths(runner.build(preset, tp=args.tp, implementation="xla")) \
-        if args.xla_check else None
-    ref_logits = {}  # (fused, batch) -> the XLA build's logits, shared by every --impls entry
+    ref_paths = paths("xla") if args.xla_check else None
+    ref_logits = {}  # (fused, batch) -> the XLA reference's logits, shared by every --impls entry
     for impl in args.impls:
-      built = runner.build(preset, tp=args.tp, implementation=IMPLS[impl])
-      kernel_paths = paths(built)
+      kernel_paths = paths(IMPLS[impl])
       for b in args.batches:
         run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, ref_logits, bw, rows)
         # after every batch: a run cut off by a time limit keeps the rows it finished
         _harness.write_results(f"decode_{args.tag}" if args.tag else "decode", rows,
                                {"copy_tbps": round(bw, 3)}, args.commit, args.out)
-      del built, kernel_paths  # the next build's weights need the memory
+      del kernel_paths
+    del built, ref_paths, ref_logits  # the next preset's weights need the memory
 
 
 def run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, ref_logits, bw, rows):

@@ -21,7 +21,7 @@ from models.presets import PRESETS
 ROOT = pathlib.Path(__file__).parent.parent
 
 
-@pytest.mark.parametrize("preset", ["deepseek-v3-tiny", "qwen3.5-tiny"])
+@pytest.mark.parametrize("preset", ["deepseek-v3-tiny", "qwen3.5-tiny", "llama-tiny"])
 def test_run_three_paths(tmp_path, capsys, preset):
   assert main(["run", "--model", preset, "--batch", "1", "--prompt-len", "4", "--steps", "2",
                "--repeats", "2", "--out", str(tmp_path)]) == 0
@@ -45,6 +45,17 @@ def test_run_three_paths(tmp_path, capsys, preset):
   for pair, a in r["numerics"].items():
     assert a["kl"] < 0.2, pair
     assert a["expected"] is not None
+  # What FP8 costs comes from the trained model, beside the random weights' agreement.
+  assert r["fp8_cost"]["bf16_nll"] == runner.fp8_cost("e4m3fn")["bf16_nll"]
+  assert "what FP8 costs, on a trained model" in out.out
+
+
+def test_fp8_cost_reads_the_accuracy_results(tmp_path):
+  """The trained-model reference: the main case's XLA rows in the format asked, amax scales."""
+  cost = runner.fp8_cost("e4m3fn")
+  assert cost["bf16_nll"] > 2 and set(cost) >= {"unfused", "fused", "case", "commit"}
+  assert 0 < cost["fused"][0] < 0.08 and 0 < cost["fused"][1] < 0.05
+  assert runner.fp8_cost("e4m3fn", str(tmp_path / "absent.json")) is None
 
 
 def test_paths_share_one_set_of_weights():
@@ -75,6 +86,11 @@ def test_paths_share_one_set_of_weights():
     else:
       assert w is mw, path
   assert quantised > 10
+  # Another backend over the same arrays (the decode benchmark's XLA reference): no copy.
+  xla = built.make(True, fp8=True, implementation="xla")
+  assert all(a is b for a, b in zip(jax.tree.leaves(nnx.state(xla)),
+                                    jax.tree.leaves(nnx.state(fused))))
+  assert xla.opts.implementation == "xla" and fused.opts.implementation is None
 
 
 def test_decode_step_donates_the_cache_and_picks_the_token_on_device():
@@ -98,7 +114,8 @@ def test_run_tensor_parallel_reports_strategy(tmp_path):
 
 
 @pytest.mark.parametrize("preset,tp", [("deepseek-v3-tiny", 1), ("deepseek-v3-tiny", 2),
-                                       ("qwen3.5-tiny", 1), ("qwen3.5-tiny", 2)])
+                                       ("qwen3.5-tiny", 1), ("qwen3.5-tiny", 2),
+                                       ("llama-tiny", 2)])
 def test_step_takes_weights_as_arguments(preset, tp):
   """A jit of the step must not capture the weights as constants: on the H200 the -layers
   presets captured 5-7 GB that way and the compile never finished."""
