@@ -237,9 +237,12 @@ def _index(index: tuple[slice, ...], shape: Sequence[int]) -> Index:
   return tuple(np.arange(*sl.indices(n)) for sl, n in zip(index, shape))
 
 
-def _build(shape, sharding, make: Callable[[Index], jax.Array]) -> jax.Array:
+def _build(shape, dtype, sharding, make: Callable[[Index], jax.Array]) -> jax.Array:
   """A global `[*shape]` array on `sharding` from `make(index)`, called once per distinct shard
-  of this process's devices."""
+  of this process's devices. Under a trace (a model built by `nnx.eval_shape` for its
+  structure) only the shape counts: zeros on the sharding, nothing read."""
+  if isinstance(jnp.zeros(()), jax.core.Tracer):
+    return jax.device_put(jnp.zeros(shape, dtype), sharding)
   made, arrays = {}, []
   for dev, index in sharding.addressable_devices_indices_map(tuple(shape)).items():
     key = tuple(sl.indices(n) for sl, n in zip(index, shape))
@@ -253,7 +256,7 @@ def place(t: Lazy, dtype, sharding: jax.sharding.Sharding | None = None) -> jax.
   """`t` as a jax.Array of `dtype`: whole on the default device (no `sharding`), or on
   `sharding`, reading only this process's shards."""
   make = lambda idx: jnp.asarray(t.read(idx)).astype(dtype)
-  return make(whole(t.shape)) if sharding is None else _build(t.shape, sharding, make)
+  return make(whole(t.shape)) if sharding is None else _build(t.shape, dtype, sharding, make)
 
 
 def place_fp8(t: Fp8, sharding: jax.sharding.Sharding | None = None
@@ -272,10 +275,10 @@ def place_fp8(t: Fp8, sharding: jax.sharding.Sharding | None = None
       made[key] = t.read(idx)
     return made[key]
 
-  q = _build(t.shape, sharding, lambda idx: jnp.asarray(shard(idx)[0]))
+  q = _build(t.shape, t.dtype, sharding, lambda idx: jnp.asarray(shard(idx)[0]))
   # A scale shard is the codes shard's blocks: its index is the codes index over 128.
   scale_idx = lambda idx: idx[:-2] + tuple(
       np.arange(i[0] * BLOCK, min((i[-1] + 1) * BLOCK, n)) for i, n in zip(idx[-2:],
                                                                          t.shape[-2:]))
-  s = _build(sshape, sharding, lambda idx: jnp.asarray(shard(scale_idx(idx))[1]))
+  s = _build(sshape, jnp.float32, sharding, lambda idx: jnp.asarray(shard(scale_idx(idx))[1]))
   return q, s

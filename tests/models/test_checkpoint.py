@@ -232,7 +232,8 @@ def test_modules_to_not_convert(tmp_path):
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_load_onto_mesh(family, path, kw, tp):
   """A model loaded onto a mesh holds every parameter split as tp_apply splits it, with the
-  bits of the one loaded whole (each shard read and built alone)."""
+  bits of the one loaded whole (each shard read and built alone); under nnx.eval_shape (for its
+  structure) the same shapes, nothing built."""
   import jax
   from flax import nnx
   from test_qwen3_5 import ref as qwen_ref
@@ -252,3 +253,6 @@ def test_load_onto_mesh(family, path, kw, tp):
     assert got.sharding == jax.sharding.NamedSharding(mesh, spec), name
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
                                   np.asarray(want).view(np.uint8), err_msg=name)
+  abstract = nnx.eval_shape(lambda: load(path, tp_axis="tp", mesh=mesh, **kw))
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), nnx.state(abstract)) == jax.tree.map(
+      lambda a: (a.shape, a.dtype), state)
