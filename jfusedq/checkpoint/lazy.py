@@ -60,6 +60,27 @@ class Stored(Lazy):
     return self.file.read(self.name, idx)
 
 
+class Host(Lazy):
+  """An array in memory (a numpy array, or what converts to one)."""
+
+  def __init__(self, a):
+    self.a = np.asarray(a)
+    self.shape, self.dtype = self.a.shape, self.a.dtype
+
+  def read(self, idx: Index) -> np.ndarray:
+    return self.a[np.ix_(*idx)]
+
+
+class Cast(Lazy):
+  """`src` rounded to `dtype` as jnp rounds it (bf16 masters of f32 weights)."""
+
+  def __init__(self, src: Lazy, dtype):
+    self.src, self.shape, self.dtype = src, src.shape, np.dtype(dtype)
+
+  def read(self, idx: Index) -> np.ndarray:
+    return np.asarray(jnp.asarray(self.src.read(idx)).astype(self.dtype))
+
+
 class Concat(Lazy):
   """Parts (one dtype) concatenated along `axis`."""
 
@@ -237,12 +258,9 @@ def _index(index: tuple[slice, ...], shape: Sequence[int]) -> Index:
   return tuple(np.arange(*sl.indices(n)) for sl, n in zip(index, shape))
 
 
-def _build(shape, dtype, sharding, make: Callable[[Index], jax.Array]) -> jax.Array:
+def _build(shape, sharding, make: Callable[[Index], jax.Array]) -> jax.Array:
   """A global `[*shape]` array on `sharding` from `make(index)`, called once per distinct shard
-  of this process's devices. Under a trace (a model built by `nnx.eval_shape` for its
-  structure) only the shape counts: zeros on the sharding, nothing read."""
-  if isinstance(jnp.zeros(()), jax.core.Tracer):
-    return jax.device_put(jnp.zeros(shape, dtype), sharding)
+  of this process's devices."""
   made, arrays = {}, []
   for dev, index in sharding.addressable_devices_indices_map(tuple(shape)).items():
     key = tuple(sl.indices(n) for sl, n in zip(index, shape))
@@ -256,13 +274,19 @@ def place(t: Lazy, dtype, sharding: jax.sharding.Sharding | None = None) -> jax.
   """`t` as a jax.Array of `dtype`: whole on the default device (no `sharding`), or on
   `sharding`, reading only this process's shards."""
   make = lambda idx: jnp.asarray(t.read(idx)).astype(dtype)
-  return make(whole(t.shape)) if sharding is None else _build(t.shape, dtype, sharding, make)
+  with jax.ensure_compile_time_eval():  # concrete under a trace (nnx.eval_shape) too
+    return make(whole(t.shape)) if sharding is None else _build(t.shape, sharding, make)
 
 
 def place_fp8(t: Fp8, sharding: jax.sharding.Sharding | None = None
               ) -> tuple[jax.Array, jax.Array]:
   """(codes, scales) of `t` as jax.Arrays: whole, or both on `sharding` (the scales split as
   the codes, block for block), reading only this process's shards."""
+  with jax.ensure_compile_time_eval():  # concrete under a trace (nnx.eval_shape) too
+    return _place_fp8(t, sharding)
+
+
+def _place_fp8(t: Fp8, sharding):
   if sharding is None:
     q, s = t.read(whole(t.shape))
     return jnp.asarray(q), jnp.asarray(s)
@@ -275,10 +299,10 @@ def place_fp8(t: Fp8, sharding: jax.sharding.Sharding | None = None
       made[key] = t.read(idx)
     return made[key]
 
-  q = _build(t.shape, t.dtype, sharding, lambda idx: jnp.asarray(shard(idx)[0]))
+  q = _build(t.shape, sharding, lambda idx: jnp.asarray(shard(idx)[0]))
   # A scale shard is the codes shard's blocks: its index is the codes index over 128.
   scale_idx = lambda idx: idx[:-2] + tuple(
       np.arange(i[0] * BLOCK, min((i[-1] + 1) * BLOCK, n)) for i, n in zip(idx[-2:],
                                                                          t.shape[-2:]))
-  s = _build(sshape, jnp.float32, sharding, lambda idx: jnp.asarray(shard(scale_idx(idx))[1]))
+  s = _build(sshape, sharding, lambda idx: jnp.asarray(shard(scale_idx(idx))[1]))
   return q, s

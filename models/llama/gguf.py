@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 
+from jfusedq.checkpoint import lazy
 from models.llama.config import LlamaConfig
 
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -72,24 +73,45 @@ def config(path: str | os.PathLike) -> LlamaConfig:
   return _config(_reader(path), path)
 
 
-def read(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
-  """A GGUF Llama file -> (config, {Hugging Face name: f32 array in Hugging Face layout}).
+class _Tensor(lazy.Lazy):
+  """A GGUF tensor in Hugging Face layout, dequantised (`gguf.quants.dequantize`) only at the
+  rows read (a quantised block never spans two rows); `rows`: Hugging Face row -> file row."""
 
-  Quantised tensors (Q4_1, Q8_0, ...) are dequantised to f32 by `gguf.quants.dequantize`; q/k
-  rows are put back into Hugging Face's order (`unpermute_rope`)."""
-  from gguf import quants  # optional dependency: only GGUF loading needs it
+  def __init__(self, t, rows: np.ndarray | None = None):
+    self.t, self.rows, self.dtype = t, rows, np.dtype(np.float32)
+    self.shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+
+  def read(self, idx: lazy.Index) -> np.ndarray:
+    from gguf import quants  # optional dependency: only GGUF loading needs it
+    rows = idx[0] if self.rows is None else self.rows[idx[0]]
+    w = np.asarray(quants.dequantize(self.t.data[rows], self.t.tensor_type), np.float32)
+    return w if w.ndim == 1 else w[:, idx[1]]
+
+
+def tensors(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, lazy.Lazy]]:
+  """A GGUF Llama file -> (config, {Hugging Face name: f32 tensor in Hugging Face layout, read
+  by slices}). Quantised tensors (Q4_1, Q8_0, ...) are dequantised to f32 by
+  `gguf.quants.dequantize`; q/k rows are put back into Hugging Face's order
+  (`unpermute_rope`)."""
   reader = _reader(path)
   cfg = _config(reader, path)
   out = {}
   for t in reader.tensors:
-    w = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)
-    name = hf_name(t.name)
+    name, heads = hf_name(t.name), None
     if name.endswith("q_proj.weight"):
-      w = unpermute_rope(w, cfg.num_heads)
+      heads = cfg.num_heads
     elif name.endswith("k_proj.weight"):
-      w = unpermute_rope(w, cfg.num_kv_heads)
-    out[name] = w
+      heads = cfg.num_kv_heads
+    n = int(t.shape[-1]) if len(t.shape) > 1 else None
+    out[name] = _Tensor(t, None if heads is None else unpermute_rope(np.arange(n)[:, None],
+                                                                     heads)[:, 0])
   return cfg, out
+
+
+def read(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+  """`tensors(path)` read whole: (config, {Hugging Face name: f32 array})."""
+  cfg, ts = tensors(path)
+  return cfg, {name: t.read(lazy.whole(t.shape)) for name, t in ts.items()}
 
 
 def tokenizer(path: str | os.PathLike):

@@ -10,14 +10,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jfusedq.checkpoint import (MissingTensorError, QuantConfig, TensorMismatchError, load_array,
-                                load_linear)
+from jfusedq.checkpoint import (MissingTensorError, QuantConfig, TensorMismatchError, lazy,
+                                load_array, load_linear)
 from jfusedq.fp8 import Fp8Format
-from jfusedq.nn import Fp8Linear, quantize_weight
+from jfusedq.nn import Fp8Linear
 from models.common import check_loaded, checkpoint_quant, set_param
 from models.common.layers import Impl
 from models.common.loading import open_checkpoint, report_unread
-from models.common.sharding import param_shardings, place
+from models.common.sharding import param_shardings
 from models.llama import gguf
 from models.llama.config import MODEL_TYPES, LlamaConfig
 from models.llama.model import LlamaForCausalLM
@@ -72,36 +72,42 @@ def _from_checkpoint(path, *, fp8, fmt, mesh, **kw) -> LlamaForCausalLM:
   return model
 
 
-def from_tensors(cfg: LlamaConfig, tensors: Mapping[str, np.ndarray], *,
-                 fp8: bool | QuantConfig = False,
-                 fmt: Fp8Format | str | None = None, **kw) -> LlamaForCausalLM:
-  """A model from high-precision arrays by Hugging Face name and layout (what `gguf.read`
-  returns), rounded to `param_dtype` masters; with `fp8` (True: the device's format, or a
-  QuantConfig) the projections are those masters quantised to FP8 128 x 128 blocks
-  (`quantize_weight`). `kw`: `LlamaForCausalLM`'s keywords."""
+def from_tensors(cfg: LlamaConfig, tensors: Mapping[str, np.ndarray | lazy.Lazy], *,
+                 fp8: bool | QuantConfig = False, fmt: Fp8Format | str | None = None,
+                 mesh: Mesh | None = None, **kw) -> LlamaForCausalLM:
+  """A model from high-precision arrays (or `lazy` tensors) by Hugging Face name and layout
+  (what `gguf.tensors` returns), rounded to `param_dtype` masters; with `fp8` (True: the
+  device's format, or a QuantConfig) the projections are those masters quantised to FP8
+  128 x 128 blocks (`quantize_weight`); with `mesh`, placed on it as `from_pretrained` places
+  them, reading lazy tensors only at this process's shards. `kw`: `LlamaForCausalLM`'s
+  keywords."""
   quant = fp8 if isinstance(fp8, QuantConfig) else checkpoint_quant(None, fp8, fmt)
   model = _abstract(cfg, quant, **kw)
   pdt = model.opts.param_dtype
+  where = param_shardings(model, mesh)
 
-  def master(name, shape):
+  def master(name, shape) -> lazy.Lazy:
     if name not in tensors:
       raise MissingTensorError(f"{name} is missing")
     w = tensors[name]
+    w = w if isinstance(w, lazy.Lazy) else lazy.Host(w)
     if tuple(w.shape) != tuple(shape):
       raise TensorMismatchError(f"{name}: shape {list(w.shape)}, the config implies "
                                 f"{list(shape)}")
-    return jnp.asarray(w).astype(pdt)
+    return w
 
   def linear(mod, name, k):
     w = master(name + ".weight", (mod.weight.shape[0], k))
     if isinstance(mod, Fp8Linear):
-      q, s = quantize_weight(w, model.opts.quant.fmt)
+      q, s = lazy.place_fp8(lazy.Quantized(lazy.Cast(w, pdt), model.opts.quant.fmt),
+                            where(mod.weight))
       set_param(mod.weight, q, name)
       set_param(mod.weight_scale_inv, s, name + " (weight_scale_inv)")
     else:
-      set_param(mod.weight, w, name)
+      set_param(mod.weight, lazy.place(w, pdt, where(mod.weight)), name)
 
-  _fill(model, linear, lambda var, name, shape: set_param(var, master(name, shape), name))
+  _fill(model, linear, lambda var, name, shape: set_param(
+      var, lazy.place(master(name, shape), pdt, where(var)), name))
   check_loaded(model)
   return model
 
@@ -121,8 +127,8 @@ def from_pretrained(path: str | os.PathLike, *, fp8: bool | None = None,
       (128 x 128 blocks); False: the unquantised path (FP8 weights dequantised to param_dtype).
     fused, tp_axis, ar_strategy, dtype, param_dtype, implementation: as for `LlamaForCausalLM`.
     mesh: parameters are placed on it, split over `tp_axis` as `tp_apply` splits them, each
-      process reading from a checkpoint directory only the slices its devices hold (a GGUF
-      file is read whole, then placed).
+      process reading only the slices its devices hold (of a GGUF file: the rows of a
+      column-parallel projection, whole rows of the others).
 
   A GGUF file's weights are quantised in llama.cpp's formats (Q4_1, Q8_0, ...): they are
   dequantised to `param_dtype` masters (bf16 by default; those are what fp8=False runs), and
@@ -134,13 +140,7 @@ def from_pretrained(path: str | os.PathLike, *, fp8: bool | None = None,
   kw = dict(fused=fused, tp_axis=tp_axis, ar_strategy=ar_strategy, dtype=dtype,
             param_dtype=param_dtype, implementation=implementation)
   if os.fspath(path).endswith(".gguf"):
-    model = from_tensors(*gguf.read(path), fp8=bool(fp8), fmt=fmt, **kw)
-    if mesh is not None:
-      where = param_shardings(model, mesh)
-      for _, var in nnx.graph.iter_graph(model):
-        if isinstance(var, nnx.Variable):
-          var.set_value(place(var.get_value(), where(var)))
-    return model
+    return from_tensors(*gguf.tensors(path), fp8=bool(fp8), fmt=fmt, mesh=mesh, **kw)
   model = _from_checkpoint(path, fp8=fp8, fmt=fmt, mesh=mesh, **kw)
   check_loaded(model)
   return model

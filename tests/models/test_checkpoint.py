@@ -233,7 +233,7 @@ def test_modules_to_not_convert(tmp_path):
 def test_load_onto_mesh(family, path, kw, tp):
   """A model loaded onto a mesh holds every parameter split as tp_apply splits it, with the
   bits of the one loaded whole (each shard read and built alone); under nnx.eval_shape (for its
-  structure) the same shapes, nothing built."""
+  structure, as jfusedq run takes it) the same shapes."""
   import jax
   from flax import nnx
   from test_qwen3_5 import ref as qwen_ref
@@ -256,3 +256,27 @@ def test_load_onto_mesh(family, path, kw, tp):
   abstract = nnx.eval_shape(lambda: load(path, tp_axis="tp", mesh=mesh, **kw))
   assert jax.tree.map(lambda a: (a.shape, a.dtype), nnx.state(abstract)) == jax.tree.map(
       lambda a: (a.shape, a.dtype), state)
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_gguf_onto_mesh(tmp_path, fp8):
+  """A GGUF Llama loaded onto a mesh (rows dequantised where a shard needs them, q/k rows
+  unpermuted) holds the bits of the one loaded whole."""
+  import dataclasses
+
+  import jax
+  from flax import nnx
+
+  from models import llama
+  from tests.models.llama_files import tensors, write_gguf
+  from tests.models.test_llama import TP, build
+  # GGUF keeps no head_dim (it is hidden / heads); FP8 shards of 128 rows over 2 devices.
+  cfg = dataclasses.replace(TP, head_dim=TP.hidden_size // TP.num_heads)
+  path = write_gguf(tmp_path / "tp.gguf", cfg, tensors(build(cfg, dtype=jnp.float32,
+                                                             param_dtype=jnp.float32)))
+  mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+  whole = llama.from_pretrained(path, fp8=fp8, tp_axis="tp")
+  split = llama.from_pretrained(path, fp8=fp8, tp_axis="tp", mesh=mesh)
+  for got, want in zip(jax.tree.leaves(nnx.state(split)), jax.tree.leaves(nnx.state(whole))):
+    assert got.sharding.mesh == mesh
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
