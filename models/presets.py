@@ -25,8 +25,9 @@ DEEPSEEK_V3_TINY = dict(
 # one would read the N(0, 1) embedding table: logits of std sqrt(hidden) = 16).
 LLAMA_TINY = dict(
     model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=768,
-    num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5,
-    rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=4096)
+    num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+    max_position_embeddings=4096)
 
 # DeepSeek-V3 671B's layer shapes; 4 layers (1 dense + 3 MoE) and 16 of its 256 experts.
 DEEPSEEK_V3_LAYERS = dict(
