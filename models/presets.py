@@ -1,10 +1,10 @@
 """Named model configurations for the `jfusedq run` command and the decode benchmark.
 
 `*-tiny`: CPU-sized, random weights, every code path of the model (MoE, dense layers, MLA or
-GDN + attention; Llama's GQA attention and SwiGLU MLP). `*-layers`: the released models' real layer shapes (hidden sizes, heads,
-LoRA ranks, expert sizes) with few layers and fewer experts, for GPUs. `*-deep`: those layers,
-as many as one H200 holds with the bf16 and FP8 weights side by side (`jfusedq run`'s three
-paths).
+GDN + attention; Llama's GQA attention and SwiGLU MLP). `*-layers`: the released models' real
+layer shapes (hidden sizes, heads, LoRA ranks, expert sizes) with few layers and fewer
+experts, for GPUs. `*-deep`: those layers, as many as one H200 holds with the bf16 and FP8
+weights side by side (`jfusedq run`'s three paths).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ DEEPSEEK_V3_TINY = dict(
                          original_max_position_embeddings=1024, beta_fast=32, beta_slow=1,
                          mscale=1.0, mscale_all_dim=1.0))
 
-# SmolLM2's design (GQA, SwiGLU, plain RoPE) at the tiny presets' widths; its own LM head (a tied
-# one would read the N(0, 1) embedding table: logits of std sqrt(hidden) = 16).
+# SmolLM2's design (GQA with heads of 64, SwiGLU, plain RoPE), small: 4 KV heads of 64 so that TP 2
+# splits k_proj into whole 128-row FP8 blocks; its own LM head (a tied one would read the
+# N(0, 1) embedding table: logits of std sqrt(hidden)).
 LLAMA_TINY = dict(
-    model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=768,
-    num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-    max_position_embeddings=4096)
+    model_type="llama", vocab_size=512, hidden_size=512, intermediate_size=1024,
+    num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5,
+    rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=4096)
 
 # DeepSeek-V3 671B's layer shapes; 4 layers (1 dense + 3 MoE) and 16 of its 256 experts.
 DEEPSEEK_V3_LAYERS = dict(
