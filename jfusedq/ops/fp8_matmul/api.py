@@ -26,8 +26,10 @@ declare("grouped_fp8_matmul", IMPLEMENTATIONS)
 # to f16 mma.sync instead of fp8 wgmma); without `triton` installed it declines and Pallas runs.
 # The warp-specialised Mosaic GPU kernel (Hopper) goes first from M = 256 where its tiles cover
 # at least half the SMs and K <= 8192: there it ran 1.10-1.77x Triton's speed (M = 256 to 1024)
-# and 1.07-1.10x XLA's bf16 dot at M = 4096, where Triton ran 0.88-1.06x; at K = 16384 the two
-# tie or Triton leads by up to 4%. Off Hopper it declines and the order goes on.
+# and 1.07-1.10x XLA's bf16 dot at M = 4096, where Triton ran 0.88-1.06x; at K = 16384 its
+# per-tile schedule tied Triton or trailed it by up to 4%, and from M = 4096, where it runs
+# persistent, it goes first at every K (1029.7 against 1228.0 us per-tile at (7168, 16384)).
+# Off Hopper it declines and the order goes on.
 MOSAIC_MIN_M, MOSAIC_MAX_K = 256, 8192
 # Grouped (MoE) products: Triton first as well; the Pallas grouped kernel ran 0-6% behind it
 # at <= 16 rows a product, 11% at 32.
@@ -37,7 +39,7 @@ def gpu_order(m: int, n: int, k: int) -> tuple[str, ...]:
   """The GPU backends for an `[M, K]` activation and an `[N, K]` weight, best first (measured,
   above)."""
   order = _dispatch.GPU_ORDER
-  if m < MOSAIC_MIN_M or k > MOSAIC_MAX_K or n % 64:
+  if m < MOSAIC_MIN_M or (k > MOSAIC_MAX_K and m < mosaic_gpu.PERSISTENT_MIN_M) or n % 64:
     return order
   block_n = mosaic_gpu.heuristics(m, n, k).block_n
   return ("mosaic_gpu", *order) if mosaic_gpu.covers_half(m, n, block_n) else order
@@ -45,13 +47,14 @@ def gpu_order(m: int, n: int, k: int) -> tuple[str, ...]:
 
 def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_scale: jax.Array, *,
                out_dtype=jnp.bfloat16, implementation: str | Sequence[str] | None = None,
-               config: pallas.Config | None = None) -> jax.Array:
+               config: pallas.Config | None = None, ue8m0: bool = False) -> jax.Array:
   """`a [..., K]` times `weight [N, K]`^T with DeepSeek block scales -> `[..., N]`.
 
   Steps:
     1. If `a` is an array (bf16/f16/f32), quantise it per 1 x 128 group to the weight's FP8
-       format (`group_quant`); a `QuantizedActivation` (with or without `hp`) is used as is
-       after checking its group size (must be 128), layout and dtype.
+       format (`group_quant`; power-of-two scales with `ue8m0`); a `QuantizedActivation`
+       (with or without `hp`) is used as is after checking its group size (must be 128),
+       layout and dtype.
     2. For each K block of 128: fp8 dot in f32, times the activation row's scale and the
        weight block's scale (`weight_scale` multiplies the dequantised block, the HF
        `weight_scale_inv` convention); accumulate in f32.
@@ -69,7 +72,7 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
   n, k = _check_weight(weight, weight_scale)
   # An `implementations` override counts as passed here, so it reaches the quantisation too.
   implementation = _dispatch.requested("fp8_matmul", implementation)
-  qa = _quantized(a, weight, k, implementation)
+  qa = _quantized(a, weight, k, implementation, ue8m0)
 
   def xla():
     return reference.fp8_matmul(qa, weight, weight_scale, out_dtype)
@@ -98,7 +101,7 @@ def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
                        weight_scale: jax.Array, ids: jax.Array | None = None, *,
                        out_dtype=jnp.bfloat16,
                        implementation: str | Sequence[str] | None = None,
-                       config: pallas.Config | None = None) -> jax.Array:
+                       config: pallas.Config | None = None, ue8m0: bool = False) -> jax.Array:
   """B block-scaled products in one call, for MoE experts: `out[b] = a[b // (B/G)] @ W[ids[b]]^T`.
 
   Steps: as `fp8_matmul`, for every product b. The Triton and Pallas kernels run all B in one
@@ -112,7 +115,7 @@ def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
       activation group (decode: token m's k experts are products m*k .. m*k+k-1). None: B = E
       and product b uses expert b (every expert on its group of `a`). Values must lie in
       [0, E): traced, they are not checked, and the Triton kernel reads by them unguarded.
-    implementation, config: as for `fp8_matmul` (the config tiles each product).
+    implementation, config, ue8m0: as for `fp8_matmul` (the config tiles each product).
   Returns:
     `[B, ..., N]` in out_dtype.
   """
@@ -122,7 +125,7 @@ def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
     raise InputError(f"ids must be a [B] integer array, got {ids.dtype}{list(ids.shape)}")
   b = e if ids is None else ids.shape[0]
   implementation = _dispatch.requested("grouped_fp8_matmul", implementation)
-  qa = _quantized(a, weight, k, implementation)
+  qa = _quantized(a, weight, k, implementation, ue8m0)
   if qa.q.ndim < 2:
     raise InputError(f"a must be [G, ..., K], got shape {qa.q.shape}")
   g, *lead, _ = qa.q.shape
@@ -189,7 +192,7 @@ def _check_weight(weight, weight_scale, stacked: bool = False) -> tuple[int, int
   return n, k
 
 
-def _quantized(a, weight, k, implementation) -> QuantizedActivation:
+def _quantized(a, weight, k, implementation, ue8m0=False) -> QuantizedActivation:
   if isinstance(a, QuantizedActivation):
     a.validate()
     _common.check_last_axis("a.q", a.q, "contracted axis K")
@@ -211,7 +214,7 @@ def _quantized(a, weight, k, implementation) -> QuantizedActivation:
     if implementation is not None:
       implementation = tuple(dict.fromkeys({"mosaic_gpu": "pallas"}.get(i, i)
                                            for i in implementation))
-    a = group_quant(a, group_size=BLOCK, fmt=activation_format(weight.dtype),
+    a = group_quant(a, group_size=BLOCK, fmt=activation_format(weight.dtype), ue8m0=ue8m0,
                     implementation=implementation)
   if a.q.shape[-1] != k:
     raise InputError(f"a has K = {a.q.shape[-1]}, which does not match the weight's K = {k}")
