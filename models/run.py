@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 from jfusedq import default_format
+from jfusedq.errors import InputError
 from jfusedq.hlo import kernel_counts
 from jfusedq.nn import quantize_weight
 from models import registry
@@ -149,8 +150,10 @@ def build(preset: str | None = None, checkpoint: str | None = None, *, fp8: bool
     raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
   kw = dict(dtype=dtype, tp_axis="tp" if tp > 1 else None)
   if checkpoint:
+    # Onto the mesh the run uses: each process reads only its devices' slices.
+    mesh = tp_mesh(tp) if tp > 1 else None
     new = lambda fp8, fused, impl: registry.from_pretrained(
-        checkpoint, fp8=fp8, fused=fused, implementation=impl, **kw)
+        checkpoint, fp8=fp8, fused=fused, implementation=impl, mesh=mesh, **kw)
     master = None
   else:
     new = lambda fp8, fused, impl: registry.build(PRESETS[preset], seed=seed, fp8=fp8,
@@ -172,6 +175,20 @@ def build(preset: str | None = None, checkpoint: str | None = None, *, fp8: bool
   return Built(make(fused), make, master)
 
 
+def tp_mesh(tp: int) -> jax.sharding.Mesh:
+  """The mesh a run on `tp` devices uses: the first `tp` devices of one process; over several
+  processes (jax.distributed), every device, as each process runs the program and must hold
+  devices of it: `tp` consecutive devices of a process form a TP group (within a host where
+  `tp` divides its devices), the groups replicas on a "dp" axis."""
+  if jax.process_count() == 1:
+    return jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp])
+  if jax.device_count() % tp:
+    raise InputError(f"--tp {tp} does not divide the {jax.device_count()} devices of the "
+                     f"{jax.process_count()} processes")
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  return jax.sharding.Mesh(np.array(devices).reshape(-1, tp), ("dp", "tp"))
+
+
 def forward_fn(model: nnx.Module, tp: int):
   """`(forward(params, tokens, cache, pos) -> (logits, cache), params)` for `model` on `tp`
   devices. The weights are an argument, never a closure: a jit would capture closed-over
@@ -181,8 +198,7 @@ def forward_fn(model: nnx.Module, tp: int):
   tiny presets against 37-52 us for the list, on this CPU), which a decode step pays on the
   host each time it is launched."""
   if tp > 1:
-    mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp])
-    apply, state = tp_apply(model, mesh, with_cache=True, explicit_params=True)
+    apply, state = tp_apply(model, tp_mesh(tp), with_cache=True, explicit_params=True)
   else:
     graphdef, state = nnx.split(model)
     apply = lambda params, tokens, cache, pos: nnx.merge(graphdef, params)(
