@@ -14,8 +14,18 @@ from jfusedq.nn import Fp8Linear, RMSNorm, StackedLinear
 from jfusedq.ops.fp8_matmul import reference as matmul_ref
 from jfusedq.ops.group_quant import reference as quant_ref
 from jfusedq.ops.rmsnorm_quant import reference as norm_ref
+from jfusedq.testing import rel_rms
 
 FMT = Fp8Format.e4m3fn()
+
+
+def assert_close(got, want):
+  # As the fp8_matmul tests: the kernels accumulate the K blocks in another order than the
+  # reference and both round to bf16, so near-zero outputs (cancellation) differ by more than
+  # their own size; measured on the H200, 0.3-0.6% of elements beyond 2^-7 relative alone.
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert rel_rms(got, want) <= 2.0**-8, rel_rms(got, want)
+  assert np.all(np.abs(got - want) <= 2.0**-7 * np.abs(want) + 1e-3 * np.abs(want).max())
 
 
 def assert_pow2(scale):
@@ -50,7 +60,7 @@ def test_fp8_linear_ue8m0(impl):
   w, s = layer.weight[...], layer.weight_scale_inv[...]
   want = np.asarray(matmul_ref.fp8_matmul(qa, w, s, jnp.bfloat16), np.float32)
   got = np.asarray(layer(x), np.float32)
-  np.testing.assert_allclose(got, want, rtol=2.0**-7, atol=1e-6 * np.abs(want).max())
+  assert_close(got, want)
   # Not the default rounding: some scales differ, so the products do.
   plain = Fp8Linear(384, 200, fmt=FMT, implementation=impl, rngs=nnx.Rngs(0))
   assert not np.array_equal(np.asarray(plain(x), np.float32), got)
@@ -63,8 +73,7 @@ def test_stacked_linear_ue8m0():
   w, s = layer.weight[...], layer.weight_scale_inv[...]
   want = np.stack([np.asarray(matmul_ref.fp8_matmul(qa, w[e], s[e], jnp.bfloat16), np.float32)
                    for e in range(4)])
-  np.testing.assert_allclose(np.asarray(layer(x), np.float32), want, rtol=2.0**-7,
-                             atol=1e-6 * np.abs(want).max())
+  assert_close(np.asarray(layer(x), np.float32), want)
 
 
 def test_quant_config_ue8m0():
