@@ -17,6 +17,8 @@ _SMS = {"h200": 132, "h100": 132, "mi300": 304, "mi325": 304, "mi355": 256, "mi3
         "gfx942": 304, "gfx950": 256}
 DEFAULT_SMS = 132  # an H100/H200's, where nothing tells: the CPU interpreter
 _HOPPER_KINDS = ("h100", "h200", "h800")
+# Shared memory one block may use on Hopper (sm90, 227 KiB): Mosaic GPU's bound on the H200.
+HOPPER_SMEM_BYTES = 232448
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ from helpers import (FORMATS, MOSAIC_GPU, TARGETS, TRITON_CALL, activations, imp
                      lower, rng)
 from jfusedq import (QuantizedActivation, _target, default_format, fp8_matmul, group_quant,
                      grouped_fp8_matmul, rmsnorm_quant)
+from jfusedq.errors import InputError
 from jfusedq.nn import quantize_weight
 from jfusedq.ops._dispatch import Unsupported
 from jfusedq.ops.fp8_matmul import Config
@@ -371,16 +372,34 @@ def test_mosaic_gpu_declines(impl):
     MosaicConfig(128, stages=0)
 
 
+def test_mosaic_gpu_fits_shared_memory():
+  # A float32 output's staging beside 4 stages of 192-wide tiles overflowed Hopper's shared
+  # memory (267328 bytes by Mosaic GPU's count on the H200): the heuristic takes 3 stages there,
+  # and a config that cannot fit is refused by name.
+  assert mosaic_gpu.smem_bytes(MosaicConfig(192), jnp.float32) >= 267328
+  cfg = mosaic_gpu.heuristics(4096, 12288, 4096, jnp.float32)
+  assert cfg.stages == 3 and mosaic_gpu.smem_bytes(cfg, jnp.float32) <= 232448
+  assert mosaic_gpu.heuristics(4096, 12288, 4096).stages == 4
+  x, qw, sw = problem(("mosaic_smem",), (3,), 192, 256)
+  with pytest.raises(InputError, match="shared memory"):
+    fp8_matmul(x, qw, sw, out_dtype=jnp.float32, implementation="mosaic_gpu",
+               config=MosaicConfig(192))
+
+
 @pytest.mark.lowering
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("persistent", [False, True])
-def test_mosaic_gpu_lowers(target, persistent):
+@pytest.mark.parametrize("persistent,out_dtype", [(False, jnp.bfloat16), (True, jnp.bfloat16),
+                                                  (True, jnp.float32)])
+def test_mosaic_gpu_lowers(target, persistent, out_dtype):
+  # float32: the heuristic's 3 stages fit where 4 did not (test_mosaic_gpu_fits_shared_memory).
   S = jax.ShapeDtypeStruct
   fp8 = jnp.float8_e4m3fn
+  cfg = (MosaicConfig(192, persistent=persistent) if out_dtype == jnp.bfloat16
+         else mosaic_gpu.heuristics(4096, 12288, 4096, out_dtype))
 
   def fn(q, s, w, sw):
     return fp8_matmul(QuantizedActivation(q, s), w, sw, implementation="mosaic_gpu",
-                      config=MosaicConfig(192, persistent=persistent))
+                      config=cfg, out_dtype=out_dtype)
 
   args = S((256, 1536), fp8), S((256, 12), jnp.float32), S((2112, 1536), fp8), S((17, 12),
                                                                                    jnp.float32)

@@ -91,7 +91,8 @@ def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_sca
 
   backends = {"pallas": tiled(pallas, pallas.heuristics),
               "triton": tiled(triton, triton.heuristics),
-              "mosaic_gpu": tiled(mosaic_gpu, mosaic_gpu.heuristics),
+              "mosaic_gpu": tiled(mosaic_gpu, lambda m, n, k: mosaic_gpu.heuristics(m, n, k,
+                                                                                  out_dtype)),
               "xla": xla}
   return dispatch("fp8_matmul", backends, implementation,
                   gpu_order=gpu_order(_common.rows(qa.q), n, k))

@@ -48,6 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jfusedq import _target
+from jfusedq.errors import InputError
 from jfusedq.fp8 import BLOCK, E4M3FN
 from jfusedq.ops._dispatch import Unsupported
 
@@ -86,10 +87,18 @@ PERSISTENT_MAX_K = 2048
 PERSISTENT_MIN_M = 4096  # measured there; at smaller M the per-tile schedule is unmeasured
 
 
-def heuristics(m: int, n: int, k: int) -> Config:
+def smem_bytes(cfg: Config, out_dtype) -> int:
+  """Shared memory of a CTA: the pipeline's stages (activation and weight blocks, their scales)
+  and the two compute warpgroups' output staging, with 1 KiB for the barriers."""
+  stage = (BLOCK_M + cfg.block_n) * BLOCK_K + 4 * (BLOCK_M + cfg.block_n)
+  return cfg.stages * stage + 2 * WG_M * cfg.block_n * jnp.dtype(out_dtype).itemsize + 1024
+
+
+def heuristics(m: int, n: int, k: int, out_dtype=jnp.bfloat16) -> Config:
   """The widest tile dividing N (fewer weight tiles re-read per activation tile) whose tiles
   cover half the SMs, else the narrowest; 4 stages; persistent where K is short or M is at
-  least PERSISTENT_MIN_M, in two chunks where the tile is 192 wide (module docstring).
+  least PERSISTENT_MIN_M, in two chunks where the tile is 192 wide (module docstring); 3 stages
+  where 4 do not fit the shared memory beside the output staging (a float32 output at 192).
 
   From the H200 sweeps: at M = 4096 192 columns ran fastest wherever N allows; at M = 256,
   where 2 row tiles leave few column tiles, 64 columns took 24.8 us against 47.0 for 192 at
@@ -99,7 +108,10 @@ def heuristics(m: int, n: int, k: int) -> Config:
   widths = [bn for bn in (192, 128, 64) if n % bn == 0] or [64]  # N % 64: `check` declines
   block_n = next((bn for bn in widths if covers_half(m, n, bn)), widths[-1])
   persistent = k <= PERSISTENT_MAX_K or m >= PERSISTENT_MIN_M
-  return Config(block_n, persistent=persistent, chunks=2 if persistent and block_n == 192 else 1)
+  cfg = Config(block_n, persistent=persistent, chunks=2 if persistent and block_n == 192 else 1)
+  while smem_bytes(cfg, out_dtype) > _target.HOPPER_SMEM_BYTES and cfg.stages > 1:
+    cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
+  return cfg
 
 
 def covers_half(m: int, n: int, block_n: int) -> bool:
@@ -127,7 +139,11 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   m, k = qa.shape
   n = qw.shape[0]
   check(qa, n, k)
-  cfg = config or heuristics(m, n, k)
+  cfg = config or heuristics(m, n, k, out_dtype)
+  if smem_bytes(cfg, out_dtype) > _target.HOPPER_SMEM_BYTES:
+    raise InputError(f"{cfg} with a {jnp.dtype(out_dtype).name} output needs "
+                      f"{smem_bytes(cfg, out_dtype)} bytes of shared memory, over Hopper's "
+                      f"{_target.HOPPER_SMEM_BYTES}: fewer stages or a narrower tile")
   bn, kb = cfg.block_n, k // BLOCK_K
   cw = bn // cfg.chunks
   mp = -(-m // BLOCK_M) * BLOCK_M
