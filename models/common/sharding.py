@@ -67,6 +67,20 @@ def check_split(state, specs, n: int) -> None:
                          f"one block (one scale) would straddle two devices")
 
 
+def tp_specs(model: nnx.Module, mesh: jax.sharding.Mesh, state: nnx.State):
+  """The model's partition specs of `state` over its tp_axis of `mesh`, after the checks that
+  the axis exists and the heads (`check_tp`) and FP8 blocks (`check_split`) split over it."""
+  axis = model.opts.tp_axis
+  if axis is None or axis not in mesh.axis_names:
+    raise ValueError(f"the model's tp_axis {axis!r} is not an axis of the mesh "
+                     f"{mesh.axis_names}; build it with tp_axis=...")
+  n = mesh.shape[axis]
+  model.check_tp(n)
+  specs = model.partition_specs(state)
+  check_split(state, specs, n)
+  return specs
+
+
 # A parameter's placement: its Variable -> a NamedSharding, or None (loaded whole).
 Where = Callable[[nnx.Variable], NamedSharding | None]
 
@@ -77,15 +91,7 @@ def param_shardings(model: nnx.Module, mesh: jax.sharding.Mesh | None) -> Where:
   None for every parameter without a mesh. A loader given these reads only its shards."""
   if mesh is None:
     return lambda var: None
-  axis = model.opts.tp_axis
-  if axis is None or axis not in mesh.axis_names:
-    raise ValueError(f"loading onto a mesh needs the model's tp_axis ({axis!r}) to be an axis "
-                     f"of the mesh {mesh.axis_names}")
-  n = mesh.shape[axis]
-  model.check_tp(n)
-  state = nnx.state(model)
-  specs = model.partition_specs(state)
-  check_split(state, specs, n)
+  specs = tp_specs(model, mesh, nnx.state(model))
   by_name = {tuple(param_names(path)): spec for path, spec in
              jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, P))[0]}
   by_var = {id(v): NamedSharding(mesh, by_name[tuple(map(str, path))])
@@ -117,15 +123,8 @@ def tp_apply(model: nnx.Module, mesh: jax.sharding.Mesh, *, with_cache: bool = F
   jit then takes the weights as arguments, where a closure would make them constants of the
   compiled program.
   """
-  axis = model.opts.tp_axis
-  if axis is None or axis not in mesh.axis_names:
-    raise ValueError(f"the model's tp_axis {axis!r} is not an axis of the mesh "
-                     f"{mesh.axis_names}; build it with tp_axis=...")
-  n = mesh.shape[axis]
-  model.check_tp(n)
   graphdef, state = nnx.split(model)
-  pspecs = model.partition_specs(state)
-  check_split(state, pspecs, n)
+  pspecs = tp_specs(model, mesh, state)
   cspecs = model.cache_specs() if with_cache else P()
 
   def body(state, tokens, cache, pos):
