@@ -100,6 +100,15 @@ def bf16_tflops(n: int = 8192) -> float:
   return 2 * n**3 / (m["kernel_s"] or m["chain_s"]) / 1e12
 
 
+def roofline(m: int, n: int, k: int, fp8_peak: float, bw: float) -> tuple[int, int, float]:
+  """(FLOPs, bytes, roofline seconds) of one call (module docstring); peak in TFLOP/s, bw in
+  TB/s."""
+  flops = 2 * m * n * k
+  kb = -(-k // 128)
+  nbytes = n * k + (-(-n // 128)) * kb * 4 + m * k + m * kb * 4 + m * n * 2
+  return flops, nbytes, max(flops / (fp8_peak * 1e12), nbytes / (bw * 1e12))
+
+
 def make_problem(m, n, k, seed):
   key = jax.random.key(seed)
 
@@ -426,10 +435,7 @@ def run_prefill(ms, nks, impls, fp8_peak, bw, bf16, commit, out, tag, budget_s, 
       theirs = None
     t0 = time.perf_counter()
     case_rows = prefill_case(m, n, k, i, impls, theirs)
-    flops = 2 * m * n * k
-    kb = -(-k // 128)
-    nbytes = n * k + (-(-n // 128)) * kb * 4 + m * k + m * kb * 4 + m * n * 2
-    floor = max(flops / (fp8_peak * 1e12), nbytes / (bw * 1e12))
+    flops, _, floor = roofline(m, n, k, fp8_peak, bw)
     base = case_rows.get("xla_bf16", {}).get("time_us")
     peer_us = case_rows.get("cublas_blockwise", {}).get("time_us")
     for impl, r in case_rows.items():
@@ -527,10 +533,7 @@ def main():
     want = fp8_matmul(qa, qw, sw, implementation="xla")
     ok = {impl: rel_rms(fp8_matmul(qa, qw, sw, implementation=impl), want) <= 2.0**-8
           for impl in {i.split("+")[0] for i in impls} - {"xla_bf16", "xla_dequant"}}
-    flops = 2 * m * n * k
-    kb = -(-k // 128)
-    nbytes = n * k + (-(-n // 128)) * kb * 4 + m * k + m * kb * 4 + m * n * 2
-    floor = max(flops / (fp8_peak * 1e12), nbytes / (bw * 1e12))
+    flops, nbytes, floor = roofline(m, n, k, fp8_peak, bw)
     # The same bytes copied: the ceiling of a kernel this size (launch and tail included).
     same = _harness.copy_seconds(nbytes) if m <= 64 else None
     configs = {impl: str(h(m, n, k)) for impl, h in HEURISTICS.items()}
