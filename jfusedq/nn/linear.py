@@ -11,6 +11,7 @@ from flax import nnx
 from jfusedq.errors import DTypeError, InputError
 from jfusedq.fp8 import Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.nn.weights import quantize_weight
+from jfusedq.ops import _common
 from jfusedq.ops.fp8_matmul import fp8_matmul, grouped_fp8_matmul
 
 # Fan-in from the in axis of the `[out, in]` weight: lecun_normal's defaults (in_axis=-2) read
@@ -28,8 +29,7 @@ def check_sizes(layer: str, **sizes) -> None:
 def check_input(layer: str, x, features: int) -> None:
   """A layer's input: a float array (or a QuantizedActivation) whose last axis is `features`."""
   if not isinstance(x, QuantizedActivation):
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-      raise InputError(f"{layer}: x must be an array, got {type(x).__name__}")
+    _common.check_array(f"{layer}: x", x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise DTypeError(f"{layer}: x must be floating point, got {x.dtype}")
   if len(x.shape) < 1 or x.shape[-1] != features:
