@@ -85,7 +85,7 @@ class Config:
 
 
 PERSISTENT_MAX_K = 2048
-PERSISTENT_MIN_M = 4096  # measured there; at smaller M the per-tile schedule is unmeasured
+PERSISTENT_MIN_M = 4096  # measured faster there; below it (K > 2048) persistent is unmeasured
 
 
 def smem_bytes(cfg: Config, out_dtype) -> int:
