@@ -150,13 +150,17 @@ HEURISTICS = {"pallas": mm_pallas.heuristics, "triton": mm_triton.heuristics,
 
 
 def sweep_configs(impl: str, m: int, n: int, k: int) -> list:
-  """The heuristic's pick and its neighbours: tile width, K split, warps, stages."""
+  """The heuristic's pick and its neighbours: tile width, K split, warps, stages; for Mosaic GPU
+  also the schedule and the wgmma chunks."""
   h = HEURISTICS[impl](m, n, k)
   if impl == "mosaic_gpu":  # tile widths dividing N; 2 to 4 TMA stages (192 x 5 overflows SMEM)
     cands = [mm_mosaic.Config(bn, st) for bn in (64, 128, 192) if n % bn == 0
              for st in (2, 3, 4)]
     cands += [mm_mosaic.Config(h.block_n, st, persistent=True) for st in (3, 4)]
-    return [h] + [c for c in cands if c != h]
+    # Both schedules with the wgmma in two column chunks (192 and 128 wide: 96 / 64 a chunk).
+    cands += [mm_mosaic.Config(bn, 4, persistent=p, chunks=2) for bn in (128, 192)
+              if n % bn == 0 for p in (False, True)]
+    return [h] + [c for c in dict.fromkeys(cands) if c != h]
   kb = -(-k // mm_pallas.BLOCK_K)
   if m <= 64:
     # Half the splits too: their f32 partials were the suspect for M = 64 taking 10-40% longer
