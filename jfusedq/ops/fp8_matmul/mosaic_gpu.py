@@ -29,8 +29,8 @@ the first while the second runs.
 
 H200, M = 4096, profiler kernel time, fresh weights per call: the persistent schedule with
 192-wide tiles in two chunks ran 140.8 / 341.1 / 419.7 us at (N, K) = (2112, 7168) /
-(24576, 1536) / (12288, 4096) against 145.1 / 351.5 / 472.7 for the per-tile, one-chunk
-schedule; with 128-wide tiles one chunk is faster (two 64-wide groups re-read the activation
+(24576, 1536) / (12288, 4096) against 145.1 / 351.5 / 472.7 for one chunk, per-tile (persistent
+at K = 1536); with 128-wide tiles one chunk is faster (two 64-wide groups re-read the activation
 block from shared memory twice): 1029.7 against 1074.6 us at (7168, 16384), where the per-tile
 schedule took 1228.0. Over the seven projection and expert shapes at M = 4096 it runs 790-980
 TFLOP/s, 0.66-0.78x cuBLAS's blockwise FP8 GEMM timed in the same run. A 2-CTA cluster
