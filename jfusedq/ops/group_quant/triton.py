@@ -88,6 +88,11 @@ def encode_fnuz(y):
 
 
 @_triton.jit
+def _max_nan(a, b):
+  return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@_triton.jit
 def store_quant(y, r, rows, offs, mask, q_ptr, s_ptr, K: tl.constexpr, G: tl.constexpr,
                 FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr, UE8M0: tl.constexpr,
                 COL: tl.constexpr, FNUZ_BITS: tl.constexpr):
@@ -96,10 +101,10 @@ def store_quant(y, r, rows, offs, mask, q_ptr, s_ptr, K: tl.constexpr, G: tl.con
   R: tl.constexpr = y.shape[0]
   W: tl.constexpr = y.shape[1]
   yg = tl.reshape(y, (R, W // G, G))
-  # A group holding a NaN or inf gets scale NaN and NaN codes (as the reference): NaN is mapped
-  # to inf before the max, which may drop NaN; 3.4028234663852886e38 is the f32 maximum.
-  a = tl.abs(yg)
-  amax = tl.max(tl.where(a <= 3.4028234663852886e38, a, float("inf")), axis=2)
+  # A group holding a NaN or inf gets scale NaN and NaN codes (as the reference): the max and
+  # the clamp propagate NaN, so its codes y * NaN stay NaN with no compare or select per value.
+  # 3.4028234663852886e38 is the f32 maximum.
+  amax = tl.reduce(tl.abs(yg), 2, _max_nan)
   finite = amax <= 3.4028234663852886e38
   scale = tl.maximum(amax, 1e-10) * INV_MAX
   if UE8M0:
@@ -108,10 +113,10 @@ def store_quant(y, r, rows, offs, mask, q_ptr, s_ptr, K: tl.constexpr, G: tl.con
     bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + (1 << 23), bits)
     scale = bits.to(tl.float32, bitcast=True)
   # IEEE division, as XLA's: Triton's `/` is approximate and would move codes at midpoints.
-  scale = tl.where(finite, scale, amax - amax)  # inf - inf: NaN
+  scale = tl.where(finite, scale, amax - amax)  # inf - inf, NaN - NaN: NaN
   inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-  q = tl.minimum(tl.maximum(yg * inv[:, :, None], -FP8_MAX), FP8_MAX)
-  q = tl.reshape(tl.where(finite[:, :, None], q, inv[:, :, None]), (R, W))
+  q = tl.clamp(yg * inv[:, :, None], -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+  q = tl.reshape(q, (R, W))
   if FNUZ_BITS:
     codes = encode_fnuz(q)
   else:

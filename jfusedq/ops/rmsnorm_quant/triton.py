@@ -43,16 +43,23 @@ def heuristics(rows: int, width: int, warp_size: int = 32) -> Config:
 def _normalise(h, w_ptr, c, K: tl.constexpr, EPS: tl.constexpr, OFFSET: tl.constexpr):
   """h [R, W] f32 (zero past K) -> h * rsqrt(mean(h^2) + eps) * (w + offset), overflow-safe
   and NaN for a row holding a NaN or inf, as `reference.safe_rsqrt` (2**-80 its RESCALE,
-  3.4028234663852886e38 the f32 maximum)."""
+  3.4028234663852886e38 the f32 maximum).
+
+  The rescaled sum is taken only where a row's mean square is not finite (a branch uniform
+  over the program), not as a second reduction of every row."""
   ms = tl.sum(h * h, axis=1) * (1.0 / K)
-  hs = h * 8.271806125530277e-25
   ok = ms <= 3.4028234663852886e38
+  if tl.min(ok.to(tl.int32)) == 0:
+    hs = h * 8.271806125530277e-25
+    ms = tl.where(ok, ms, tl.sum(hs * hs, axis=1) * (1.0 / K))
   s = tl.where(ok, 1.0, 8.271806125530277e-25)
-  ms = tl.where(ok, ms, tl.sum(hs * hs, axis=1) * (1.0 / K))
   inv = tl.math.rsqrt(ms + EPS * s * s)
   inv = tl.where(ms <= 3.4028234663852886e38, inv, ms - ms)  # inf - inf, NaN - NaN: NaN
   w = tl.load(w_ptr + c, mask=c < K, other=0.0).to(tl.float32)
-  return h * s[:, None] * inv[:, None] * (w + OFFSET)[None, :]
+  if OFFSET != 0.0:  # a constant: no add per value for y * w
+    w = w + OFFSET
+  # h * s first, as the reference: s * inv can be subnormal where h * s is not.
+  return h * s[:, None] * inv[:, None] * w[None, :]
 
 
 @_triton.jit
