@@ -99,21 +99,15 @@ def pow2_ceil_bits(s: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(up, jnp.float32)
 
 
-def _amax(ys: list[jax.Array], axis: int, keepdims: bool = False) -> jax.Array:
-  """max |y| over `axis` and over the arrays `ys`, NaN when one holds a NaN.
-
-  Taken on the int32 bits of |y|, which order as the values with NaN above inf: Pallas-Triton
-  lowers a float max to maxnum, which drops NaN (so does XLA:CPU's reduction of a [16, 256]
-  array, which interprets the kernel), and an integer max needs no compare or select per value
-  to keep it.
-  """
-  bits = (lax.bitcast_convert_type(y, jnp.int32) & 0x7FFFFFFF for y in ys)
-  amax = functools.reduce(jnp.maximum, [jnp.max(b, axis=axis, keepdims=keepdims) for b in bits])
-  return lax.bitcast_convert_type(amax, jnp.float32)
+def _amax(y, axis: int, keepdims: bool = False):
+  """max |y| over `axis`, inf when y holds a NaN or inf: a GPU max may drop NaN, so NaN is
+  mapped to inf before reducing."""
+  a = jnp.abs(y)
+  return jnp.max(jnp.where(a <= F32_MAX, a, jnp.inf), axis=axis, keepdims=keepdims)
 
 
 def _scale(amax, fmt: Fp8Format, ue8m0: bool):
-  """The group scale; NaN for a group that held a NaN or inf (amax NaN or inf)."""
+  """The group scale; NaN for a group that held a NaN or inf (amax inf)."""
   return jnp.where(amax <= F32_MAX, _finite_scale(jnp.maximum(amax, AMAX_MIN), fmt, ue8m0),
                    jnp.nan)
 
@@ -131,10 +125,8 @@ def _finite_scale(amax, fmt: Fp8Format, ue8m0: bool):
 
 
 def _encode(y, scale, fmt: Fp8Format):
-  # The clamp lowers to maxnum / minnum, which turn NaN into a bound unless the bound is NaN
-  # too: a NaN scale (all its codes y * NaN) gets NaN bounds, a select per group, not per value.
-  bound = jnp.where(scale == scale, fmt.max, jnp.nan)
-  q = jnp.clip(y * (1.0 / scale), -bound, bound)
+  # A GPU clamp may turn NaN into a bound: a NaN scale's codes are set NaN after it.
+  q = jnp.where(scale == scale, jnp.clip(y * (1.0 / scale), -fmt.max, fmt.max), jnp.nan)
   return encode_e4m3fnuz(q) if fmt.dtype == E4M3FNUZ else q.astype(fmt.dtype)
 
 
@@ -150,14 +142,15 @@ def quantize_chunks(ys: list[jax.Array], fmt: Fp8Format, group_size: int, ue8m0:
     per = c // group_size
     for j, y in enumerate(ys):
       g = y.reshape(rows, per, group_size)
-      s = _scale(_amax([g], -1), fmt, ue8m0)
+      s = _scale(_amax(g, -1), fmt, ue8m0)
       codes.append(_encode(g, s[:, :, None], fmt).reshape(rows, c))
       scales.append((j * per, s))
   else:
     span = group_size // c
     for first in range(0, len(ys), span):
       members = ys[first:first + span]
-      s = _scale(_amax(members, 1, keepdims=True), fmt, ue8m0)
+      amax = functools.reduce(jnp.maximum, [_amax(y, 1, keepdims=True) for y in members])
+      s = _scale(amax, fmt, ue8m0)
       codes += [_encode(y, s, fmt) for y in members]
       scales.append((first // span, s))
   return codes, scales

@@ -14,31 +14,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jfusedq import _target
-from jfusedq.fp8 import F32_MAX, Fp8Format
+from jfusedq.fp8 import Fp8Format
 from jfusedq.ops.group_quant import pallas as gq
 from jfusedq.ops.rmsnorm_quant.reference import RESCALE, safe_rsqrt
 
 
 def _normalise(hs: list, w_ref, k: int, eps: float, weight_offset: float) -> list:
   """Chunks of h (f32) -> chunks of h * rsqrt(mean(h^2) + eps) * (w + offset), overflow-safe
-  and NaN for a row holding a NaN or inf (`reference.safe_rsqrt`).
-
-  The rescaled mean square is taken only when some row's mean square is not finite (a branch
-  uniform over the program), not as a second reduction of every row.
-  """
-  ms = sum(jnp.sum(h * h, axis=1, keepdims=True) for h in hs) * (1.0 / k)
-  # Reshaped to 1-D: Pallas-Triton's lowering of a reduction over two axes fails (it gives the
-  # intermediate the 2-D operand's sharding).
-  all_finite = jnp.min((ms <= F32_MAX).astype(jnp.int32).reshape(-1)) == 1
-  ms_rescaled = lax.cond(
-      all_finite, lambda: ms,
-      lambda: sum(jnp.sum(jnp.square(h * RESCALE), axis=1, keepdims=True) for h in hs) * (1.0 / k))
-  c, inv = safe_rsqrt(ms, ms_rescaled, eps)
-  ws = gq.load_chunks(w_ref, k)
-  if weight_offset:  # a constant: no add per value for y * w
-    ws = [w + weight_offset for w in ws]
-  # h * c first, as the reference: c * inv can be subnormal where h * c is not.
-  return [h * c * inv * w[None, :] for h, w in zip(hs, ws)]
+  and NaN for a row holding a NaN or inf (`reference.safe_rsqrt`)."""
+  ss = sum(jnp.sum(h * h, axis=1, keepdims=True) for h in hs)
+  ss_rescaled = sum(jnp.sum(jnp.square(h * RESCALE), axis=1, keepdims=True) for h in hs)
+  c, inv = safe_rsqrt(ss * (1.0 / k), ss_rescaled * (1.0 / k), eps)
+  return [h * c * inv * (w[None, :] + weight_offset)
+          for h, w in zip(hs, gq.load_chunks(w_ref, k))]
 
 
 def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format | None, group_size,
