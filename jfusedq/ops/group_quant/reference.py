@@ -27,7 +27,10 @@ def group_quant(y: jax.Array, fmt: Fp8Format, *, group_size: int = BLOCK, layout
   groups = -(-k // group_size)
   pad = groups * group_size - k
   yg = jnp.pad(y, [(0, 0)] * len(lead) + [(0, pad)]).reshape(*lead, groups, group_size)
-  amax = jnp.max(jnp.abs(yg), axis=-1)
+  a = jnp.abs(yg)
+  # XLA:CPU's vectorised max reduction drops NaN at some shapes ([16, 256] and [64, 7168] f32
+  # did): a NaN counts as inf here, which every max keeps, and either makes the scale NaN.
+  amax = jnp.max(jnp.where(jnp.isnan(a), jnp.inf, a), axis=-1)
   scale = jnp.maximum(amax, AMAX_MIN) / fmt.max
   if ue8m0:
     scale = pow2_ceil(scale)
