@@ -12,6 +12,7 @@ from helpers import (FORMATS, activations, assert_outputs_close, assert_quant_cl
 from jfusedq import (Fp8Format, QuantizedActivation, Unsupported, _target, group_quant,
                      rmsnorm_quant)
 from jfusedq.ops import _dispatch
+from jfusedq.ops.rmsnorm_quant import api as rmsnorm_quant_api
 from jfusedq.ops.group_quant import Config
 from jfusedq.ops.group_quant import pallas as gq_pallas
 from jfusedq.testing import EDGE_WIDTHS, WIDTHS
@@ -233,7 +234,16 @@ def test_errors():
 
 
 def test_default_order_is_triton_first():
-  # At every T Triton ran 1.05-1.4x Pallas's speed on the H200 (in the step's CUDA graph
-  # through XLA's Triton custom call); Pallas where `triton` is missing; XLA alone on CPU.
+  # Triton ran 1.10-1.18x Pallas's speed on the H200 at T >= 4096 where its row block is at
+  # most a quarter padding; Pallas where `triton` is missing; XLA alone on CPU.
   assert _dispatch.default_order(_target.Target("rocm", "gfx942")) == ("triton", "pallas", "xla")
   assert _dispatch.default_order(_target.Target("cpu", "cpu")) == ("xla",)
+
+
+@pytest.mark.parametrize("rows,h,first", [
+    (4096, 5120, "pallas"), (16384, 2560, "pallas"),  # 37.5% of an 8192 / 4096 block padding
+    (4095, 5120, "triton"), (64, 5120, "triton"),  # at T = 64 Triton ran 1.16x Pallas's speed
+    (16384, 7168, "triton"), (16384, 1536, "triton"), (16384, 4096, "triton")])
+def test_gpu_order_puts_pallas_first_on_padded_rows(rows, h, first):
+  order = rmsnorm_quant_api.gpu_order(rows, h)
+  assert order[0] == first and sorted(order) == ["pallas", "triton", "xla"]
