@@ -8,8 +8,7 @@ import jax
 
 from jfusedq.errors import DTypeError, InputError
 from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation, resolve_format
-from jfusedq.ops import _common
-from jfusedq.ops import _dispatch
+from jfusedq.ops import _common, _dispatch
 from jfusedq.ops._dispatch import declare, dispatch
 from jfusedq.ops.group_quant import pallas as gq_pallas
 from jfusedq.ops.rmsnorm_quant import pallas, reference, triton
