@@ -41,6 +41,11 @@ def pow2_floor(n: int) -> int:
   return 1 << (max(n, 1).bit_length() - 1)
 
 
+def pow2_ceil(n: int) -> int:
+  """Smallest power of two >= max(n, 1)."""
+  return 1 << (max(n, 1) - 1).bit_length()
+
+
 def pow2_divisor(n: int) -> int:
   """Largest power of two dividing n (1 for 0)."""
   return n & -n if n else 1

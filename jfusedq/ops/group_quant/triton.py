@@ -31,7 +31,7 @@ PROGRAMS = 256  # keep about two programs per SM before packing rows together
 
 def block_width(k: int, group_size: int = 1) -> int:
   """The power-of-two block a row of width k is held in; Unsupported beyond MAX_WIDTH."""
-  width = max(1 << (k - 1).bit_length(), group_size)
+  width = max(_common.pow2_ceil(k), group_size)
   if width > MAX_WIDTH:
     raise Unsupported(f"row width {k} pads to {width} > {MAX_WIDTH} values in registers")
   return width

@@ -28,7 +28,7 @@ PALLAS_MIN_ROWS, PALLAS_MIN_PADDING = 4096, 0.25
 
 def gpu_order(rows: int, h: int) -> tuple[str, ...]:
   """The GPU backends for `rows` rows of width `h`, best first (measured, above)."""
-  padding = 1 - h / (1 << (h - 1).bit_length())
+  padding = 1 - h / _common.pow2_ceil(h)  # Triton's block (group_quant.triton.block_width)
   if rows >= PALLAS_MIN_ROWS and padding > PALLAS_MIN_PADDING:
     return ("pallas", "triton", "xla")
   return _dispatch.GPU_ORDER
