@@ -1,4 +1,5 @@
-"""Model-level decode benchmark: one decode step, fused vs unfused, per preset and batch.
+"""Model-level decode benchmark: one decode step per path (bf16, FP8 unfused, FP8 fused, all on
+one set of weights), per preset and batch.
 
 Time per step two ways (harness `measure`): device time, the profiler's kernel time summed per
 step (`kernel_us`, the default `time_us`), and the steady state, 32 steps launched back to back
@@ -21,7 +22,10 @@ linear-attention layers counts once although it is also rewritten). Activations 
 With --tp > 1 no floor is given (`roofline_frac` null): the weights' per-device split is the
 model's own (heads, intermediate dims; embeddings and norms replicated), not counted here.
 
-Correctness, per row: the step's logits against the same path (fused or unfused) on
+Paths: `bf16` runs the bf16 master weights with no FP8 (its own `step_bytes`), `unfused` and
+`fused` the same FP8 weights; `vs_xla` is each row's speed-up over the unfused FP8 step.
+
+Correctness, per row: the step's logits against the same path (bf16, fused or unfused) on
 `implementation="xla"`, holding the very same weight arrays (`Built.make`: no second copy, so
 the deep presets, whose bf16 masters and FP8 weights take half an H200, are checked too), run
 on the same device and tokens. Both round at the same places; what is left is the kernels' f32
@@ -69,6 +73,8 @@ from models import run as runner  # noqa: E402
 # amplification of summation-order differences. A wrong scale or tile gives O(1).
 XLA_TOL = 0.3
 
+# Unfused first: every row's `vs_xla` is its speed-up over the unfused FP8 step.
+PATHS = ("unfused", "fused", "bf16")
 IMPLS = {"default": None, "pallas": ("pallas", "xla"), "triton": ("triton", "xla")}
 
 
@@ -130,12 +136,13 @@ def main():
     built = runner.build(preset, tp=args.tp)
 
     def paths(impl) -> dict:
-      """{fused: (model, forward, params)} on backend `impl`."""
-      models = {f: built.make(f, implementation=impl) for f in (False, True)}
-      return {f: (m, *runner.forward_fn(m, args.tp)) for f, m in models.items()}
+      """{path: (model, forward, params)} on backend `impl`."""
+      models = {p: built.make(p == "fused", fp8=p != "bf16", implementation=impl)
+                for p in PATHS}
+      return {p: (m, *runner.forward_fn(m, args.tp)) for p, m in models.items()}
 
     ref_paths = paths("xla") if args.xla_check else None
-    ref_logits = {}  # (fused, batch) -> the XLA reference's logits, shared by every --impls entry
+    ref_logits = {}  # (path, batch) -> the XLA reference's logits, shared by every --impls entry
     for impl in args.impls:
       kernel_paths = paths(IMPLS[impl])
       for b in args.batches:
@@ -148,22 +155,22 @@ def main():
 
 
 def run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, ref_logits, bw, rows):
-  """Both paths of one preset, backend choice and batch: times and checks, into `rows`."""
-  weight_bytes = step_bytes(built.model, b)
+  """Every path of one preset, backend choice and batch: times and checks, into `rows`."""
   times, logits = {}, {}
-  for fused in (False, True):
-    model, forward, params = kernel_paths[fused]
+  for path in PATHS:
+    model, forward, params = kernel_paths[path]
+    weight_bytes = step_bytes(model, b)
     vocab = model.cfg.vocab_size
     tok0 = jax.random.randint(jax.random.key(b), (b, 1), 0, vocab, jnp.int32)
-    logits[fused], new_cache = forward(params, tok0, model.init_cache(b, args.context + 1),
-                                       jnp.int32(args.context))
+    logits[path], new_cache = forward(params, tok0, model.init_cache(b, args.context + 1),
+                                      jnp.int32(args.context))
 
     # Weights and cache are arguments of the timed jit: closed over, they would be
     # compiled in as constants. The cache and tokens are placed as a serving loop has
     # them, the cache as the step returns it: a fresh one, on one device, made every
     # step of --tp copy each shard to its device first (MemcpyP2P, and the host waiting
     # for its peer at every copy: 3 ms a step on two H200s).
-    where = logits[fused].sharding  # replicated over the mesh under --tp
+    where = logits[path].sharding  # replicated over the mesh under --tp
     where = (NamedSharding(where.mesh, P()) if isinstance(where, NamedSharding) else where)
 
     def make(n, b=b, params=params, cache=new_cache, where=where):
@@ -177,29 +184,28 @@ def run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, ref_logits,
     cache_bytes = _device_bytes(new_cache)
     xla_diff = None
     if ref_paths is not None:
-      if (fused, b) not in ref_logits:
-        ref_model, ref_forward, ref_params = ref_paths[fused]
-        ref_logits[fused, b] = ref_forward(ref_params, tok0,
-                                           ref_model.init_cache(b, args.context + 1),
-                                           jnp.int32(args.context))[0]
-      xla_diff = rel_rms(logits[fused], ref_logits[fused, b])
+      if (path, b) not in ref_logits:
+        ref_model, ref_forward, ref_params = ref_paths[path]
+        ref_logits[path, b] = ref_forward(ref_params, tok0,
+                                          ref_model.init_cache(b, args.context + 1),
+                                          jnp.int32(args.context))[0]
+      xla_diff = rel_rms(logits[path], ref_logits[path, b])
     read = weight_bytes + cache_bytes if args.tp == 1 else None
     # One step per timed jit, one compile (the counts read the same program): a step is a
     # whole model, and its compile dominates the run.
     m = _harness.measure(step, make, 1, chain=False, hlo=True, steady=32)
     counts = kernel_counts(m["hlo"])
     sec = (not args.wall and m["kernel_s"]) or m["steady_s"]
-    times[fused] = sec
-    path = "fused" if fused else "unfused"
-    diff = rel_rms(logits[fused], logits[False])
-    finite = bool(jnp.all(jnp.isfinite(logits[fused])))
+    times[path] = sec
+    diff = rel_rms(logits[path], logits["unfused"])
+    finite = bool(jnp.all(jnp.isfinite(logits[path])))
     ok = finite and (xla_diff is None or xla_diff <= XLA_TOL)
     rows.append(dict(case=dict(preset=preset, batch=b, tp=args.tp, context=args.context,
                                 implementation=impl),
                      impl=path, time_us=round(sec * 1e6, 2),
                      tbps=read and round(read / sec / 1e12, 3), tflops=None,
                      roofline_frac=read and round(read / (bw * 1e12) / sec, 3),
-                     vs_xla=round(times[False] / sec, 4), correct=ok,
+                     vs_xla=round(times["unfused"] / sec, 4), correct=ok,
                      logits_rel_rms_vs_xla=xla_diff and round(xla_diff, 6),
                      logits_rel_rms_vs_unfused=round(diff, 5), weight_bytes=weight_bytes,
                      cache_bytes=cache_bytes,
@@ -211,7 +217,7 @@ def run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, ref_logits,
                      top_gaps=m.get("top_gaps"), graph_launches=m.get("graph_launches"),
                      top_host=m.get("top_host")))
     print(f"{preset:>20} {impl:>7} {b:>3} {path:>8} {sec * 1e6:9.1f} {m['steady_s'] * 1e6:9.1f} "
-          f"{m['dispatch_s'] * 1e6:8.1f} {counts['total']:7d} {times[False] / sec:10.3f} "
+          f"{m['dispatch_s'] * 1e6:8.1f} {counts['total']:7d} {times['unfused'] / sec:10.3f} "
           f"{'-' if read is None else format(rows[-1]['roofline_frac'], '5.2f'):>5} "
           f"{'yes' if rows[-1]['correct'] else 'NO'}", flush=True)
 

@@ -92,16 +92,19 @@ def test_rows_of_other_runs_keep_their_commit(tmp_path):
   assert "copy 4.2 TB/s; M = 4096" in " ".join(page.split())
 
 
-def test_decode_speed_up_is_unfused_over_fused(tmp_path):
+def test_decode_speed_ups_are_unfused_and_bf16_over_fused(tmp_path):
   case = {"preset": "p", "batch": 1}
   rows = [{"case": case, "impl": "unfused", "time_us": 110.0, "steady_us": 120.0,
            "kernels": {"total": 10}, "correct": True},
           {"case": case, "impl": "fused", "time_us": 100.0, "steady_us": 100.0,
-           "kernels": {"total": 8}, "correct": True}]
+           "kernels": {"total": 8}, "correct": True},
+          {"case": case, "impl": "bf16", "time_us": 250.0, "steady_us": 300.0,
+           "kernels": {"total": 7}, "correct": True}]
   args = _write(tmp_path, {"decode": _doc(rows, benchmark="decode")})
   report.main(args)
   page = (tmp_path / "page.md").read_text()
-  assert "| 110.0 / 120.0 | **100.0 / 100.0** | fused | 1.100x | 1.200x | 10 -> 8 | - |" in page
+  assert ("| 110.0 / 120.0 | **100.0 / 100.0** | 250.0 / 300.0 | fused | 1.100x | 1.200x | "
+          "3.000x | 10 -> 8 | - |") in page
 
 
 def test_prefill_speed_ups(tmp_path):
