@@ -140,3 +140,15 @@ def test_merge_keeps_other_runs(tmp_path):
       (256, 8.0, None), (4096, 90.0, "a" * 7), (4096, 99.0, "b" * 7)]
   assert rows[0]["default"] and rows[1]["ceilings"] == {"copy_tbps": 4.2}
   assert bench.merged(rows, None) == rows
+
+
+def test_expected_ranges_hold_what_the_script_measures():
+  """`jfusedq run`'s expected numerics ranges (models.run.EXPECTED) contain what
+  benchmarks/expected_ranges.py measures, on the first seeds it measured them over."""
+  sys.path.insert(0, str(BENCHMARKS))
+  import expected_ranges
+  from models.run import EXPECTED
+  for pair, runs in expected_ranges.seed_figures("llama-tiny", 4).items():
+    kl_lo, kl_hi, top_lo, top_hi = EXPECTED["llama-tiny"][pair]
+    for r in runs:
+      assert kl_lo <= r["kl"] <= kl_hi and top_lo <= r["top1"] <= top_hi, (pair, r)
