@@ -1,5 +1,6 @@
-"""H200 benchmark: fused add + RMSNorm + per-group FP8 quant, every implementation and the
-default order (`impl: "default"`: implementation=None, as a user calls it).
+"""H200 benchmark: fused add + RMSNorm + per-group FP8 quant, and the standalone per-group
+quant (`jf.group_quant`, cases with `op: "group_quant"`), every implementation and the default
+order (`impl: "default"`: implementation=None, as a user calls it).
 
 Bytes each call must move (B = bytes per input element, 2 for bf16, G = 128):
   main case (with residual):  T*H*B (x) + T*H*B (residual in) + H*B (weight)
@@ -7,12 +8,14 @@ Bytes each call must move (B = bytes per input element, 2 for bf16, G = 128):
                               [+ T*H*B with the bf16 side output, `hp` (keep_hp), at T >= 4096]
   MLA pair (no residual):     T*H*B + H*B + T*H + T*ceil(H/G)*4       (q_a_layernorm, quantised)
                               + T*H2*B + H2*B + T*H2*B                (kv_a_layernorm, bf16)
+  group_quant:                T*H*B + T*H + T*ceil(H/G)*4
 Roofline = those bytes / the device copy bandwidth measured in the same run (a 2 GiB copy).
 `same_size_frac` = time of a copy moving the case's bytes / the kernel's time: the ceiling a
 kernel of that size can reach, fixed launch and tail costs included.
 
 Run: python benchmarks/rmsnorm_quant.py [--impls xla pallas triton default] [--ts 1 4096 ...]
-     [--hs 4096 7168 ...] [--sweep] [--chain] [--out DIR] [--commit SHA] [--tag T] [--smoke]
+     [--hs 4096 7168 ...] [--ops rmsnorm_quant group_quant] [--sweep] [--chain] [--out DIR]
+     [--commit SHA] [--tag T] [--smoke]
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _harness  # noqa: E402
-from jfusedq import rmsnorm_quant  # noqa: E402
+from jfusedq import group_quant, rmsnorm_quant  # noqa: E402
 from jfusedq.ops.group_quant import Config  # noqa: E402
 from jfusedq.testing import quant_mismatch  # noqa: E402
 
@@ -37,8 +40,10 @@ TS = (1, 64, 4096, 16384)
 HS = (1536, 2048, 4096, 5120, 7168)  # DeepSeek-V3 and Qwen3.5 hidden and q_a sizes
 
 
-def case_bytes(t, h, h2=0, residual=True, hp=False):
+def case_bytes(t, h, h2=0, residual=True, hp=False, quant_only=False):
   groups = -(-h // G)
+  if quant_only:
+    return t * h * 2 + t * h + t * groups * 4
   b = t * h * 2 * (3 if residual else 1) + h * 2 + t * h + t * groups * 4 + (t * h * 2 if hp else 0)
   if h2:
     b += 2 * t * h2 * 2 + h2 * 2
@@ -60,10 +65,13 @@ def make_inputs(t, h, h2, residual, seed):
   return make
 
 
-def op_for(impl, config=None, hp=False):
+def op_for(impl, config=None, hp=False, quant_only=False):
   impl = None if impl == "default" else impl
 
   def op(x, r, w, x2, w2):
+    if quant_only:
+      out = group_quant(x, implementation=impl, config=config)
+      return out.q, out.scale
     out = rmsnorm_quant(x, w, residual=r, x2=x2, weight2=w2, keep_hp=hp, implementation=impl,
                         config=config)
     return out.quant.q, out.quant.scale, out.quant.hp, out.residual, out.norm2
@@ -75,11 +83,18 @@ def relative_error(a, b):
   return float(jnp.max(jnp.abs(a - b) / (jnp.abs(b) + 1e-3)))
 
 
-def check(make, impl, config=None, hp=False):
+def check(make, impl, config=None, hp=False, quant_only=False):
   """A kernel vs XLA on one input set: the same tolerances as the test suite."""
   x, r, w, x2, w2 = make(1)[0]
-  kw = dict(residual=r, x2=x2, weight2=w2, keep_hp=hp)
   impl = None if impl == "default" else impl
+  if quant_only:
+    why = quant_mismatch(group_quant(x, implementation=impl, config=config),
+                         group_quant(x, implementation="xla"), max_code_frac=1e-3,
+                         scale_rtol=1e-6)
+    if why:
+      print("  CHECK FAILED:", why)
+    return why is None
+  kw = dict(residual=r, x2=x2, weight2=w2, keep_hp=hp)
   a = rmsnorm_quant(x, w, implementation=impl, config=config, **kw)
   b = rmsnorm_quant(x, w, implementation="xla", **kw)
   why = quant_mismatch(a.quant, b.quant, max_code_frac=1e-3, scale_rtol=1e-6)
@@ -107,6 +122,8 @@ def main():
                   help="xla first: the baseline")
   ap.add_argument("--ts", nargs="+", type=int, default=TS)
   ap.add_argument("--hs", nargs="+", type=int, default=HS)
+  ap.add_argument("--ops", nargs="+", choices=("rmsnorm_quant", "group_quant"),
+                  default=["rmsnorm_quant", "group_quant"])
   ap.add_argument("--chain", action="store_true",
                   help="also time the wall-clock slope (a second compile per row)")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -124,17 +141,22 @@ def main():
   print("bytes = T*H*2*(3 if residual else 1) + H*2 + T*H + T*ceil(H/128)*4 [+ T*H*2 with hp]"
         " [+ 2*T*H2*2 + H2*2 for the MLA pair]; time = profiler kernel time per call;"
         " chain = wall-clock slope per call inside one jit (launch gaps included)")
-  cases = [dict(T=t, H=h) for h in hs for t in ts]
-  hp_ts = [t for t in ts if t >= 4096] or ts[-1:]  # the bandwidth cases (smoke: its largest T)
-  cases += [dict(T=t, H=h, hp=True) for h in hs for t in hp_ts]
-  cases += [dict(T=t, H=1536, H2=512) for t in ts]
+  cases = []
+  if "rmsnorm_quant" in args.ops:
+    cases += [dict(T=t, H=h) for h in hs for t in ts]
+    hp_ts = [t for t in ts if t >= 4096] or ts[-1:]  # the bandwidth cases (smoke: its largest T)
+    cases += [dict(T=t, H=h, hp=True) for h in hs for t in hp_ts]
+    cases += [dict(T=t, H=1536, H2=512) for t in ts]
+  if "group_quant" in args.ops:
+    cases += [dict(T=t, H=h, op="group_quant") for h in hs for t in ts]
   rows = []
   print(f"{'case':>32} {'impl':>24} {'us':>8} {'chain':>8} {'kern':>4} {'TB/s':>5} {'roof':>5}"
         f" {'same':>5} {'vs_xla':>6} ok")
   for n_case, case in enumerate(cases):
     t, h, h2, hp = case["T"], case["H"], case.get("H2", 0), case.get("hp", False)
-    residual = not h2
-    nbytes = case_bytes(t, h, h2, residual, hp)
+    quant_only = case.get("op") == "group_quant"
+    residual = not h2 and not quant_only
+    nbytes = case_bytes(t, h, h2, residual, hp, quant_only)
     make = make_inputs(t, h, h2, residual, seed=n_case)
     n = 2 if args.smoke else chain_len(nbytes)  # the smoke run checks the script, not speed
     configs = [(impl, None) for impl in impls]
@@ -144,8 +166,9 @@ def main():
     same = _harness.copy_seconds(nbytes)
     xla = None
     for impl, config in configs:
-      ok = True if impl == "xla" else check(make, impl.split("(")[0], config, hp)
-      m = _harness.measure(op_for(impl.split("(")[0], config, hp), make, n, chain=chain)
+      ok = True if impl == "xla" else check(make, impl.split("(")[0], config, hp, quant_only)
+      m = _harness.measure(op_for(impl.split("(")[0], config, hp, quant_only), make, n,
+                           chain=chain)
       sec = m["kernel_s"] or m["chain_s"]
       xla = xla or sec
       tbps = nbytes / sec / 1e12
