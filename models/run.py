@@ -8,7 +8,8 @@ checkpoint loads its masters (FP8 weights dequantised) for bf16 and its FP8 weig
 
 Decode loop: the model state is split once into a flat list of arrays; a step takes (params,
 token, cache, pos), picks the next token on the device (argmax inside the jit) and donates the
-cache, so a round of `steps` steps is launched back to back with no host sync until its end.
+token, cache and position, so a round of `steps` steps is launched back to back with no host
+sync until its end, each step reading and writing the buffers the last one did.
 Per path: `repeats` rounds after a warm-up one; step time = round wall time / steps (median and
 p10-p90 over rounds), host enqueue time = the launching loop's time / steps. On a GPU the
 profiler's kernel time per step is added (`device_ms`). On CPU these are XLA:CPU times of a
@@ -214,7 +215,12 @@ def forward_fn(model: nnx.Module, tp: int):
 def step_fns(forward):
   """Jitted `prefill(params, tokens, cache) -> (logits, next [B, 1], cache)` and
   `decode(params, token [B, 1], cache, pos) -> (next, cache, pos + 1)`: greedy tokens picked
-  on the device, the cache donated (updated in place), the position carried on the device."""
+  on the device, the position carried on the device.
+
+  The decode step donates the token and position as well as the cache, so its outputs take
+  its inputs' buffers: every buffer a step touches besides the weights is then the one the
+  step before used, and XLA replays the CUDA graph it recorded (it re-records the whole graph
+  when any buffer the graph uses has moved)."""
   def prefill(params, tokens, cache):
     logits, cache = forward(params, tokens, cache, 0)
     return logits, jnp.argmax(logits[:, -1:], -1).astype(tokens.dtype), cache
@@ -223,7 +229,7 @@ def step_fns(forward):
     logits, cache = forward(params, tok, cache, pos)
     return jnp.argmax(logits[:, -1:], -1).astype(tok.dtype), cache, pos + 1
 
-  return jax.jit(prefill, donate_argnums=2), jax.jit(decode, donate_argnums=2)
+  return jax.jit(prefill, donate_argnums=2), jax.jit(decode, donate_argnums=(1, 2, 3))
 
 
 def new_cache(model: nnx.Module, batch: int, length: int):
@@ -293,7 +299,7 @@ def run_path(name: str, forward, params, tokens, cache, steps: int, repeats: int
   counts = kernel_counts(decode_c.as_text())
 
   def round_(cache):
-    tok, pos = tok0, pos0
+    tok, pos = jnp.copy(tok0), jnp.copy(pos0)  # the step donates them
     t0 = time.perf_counter()
     for _ in range(steps):
       tok, cache, pos = decode_c(params, tok, cache, pos)

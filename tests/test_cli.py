@@ -93,16 +93,18 @@ def test_paths_share_one_set_of_weights():
   assert xla.opts.implementation == "xla" and fused.opts.implementation is None
 
 
-def test_decode_step_donates_the_cache_and_picks_the_token_on_device():
+def test_decode_step_donates_what_it_updates_and_picks_the_token_on_device():
   built = runner.build("qwen3.5-tiny")
   forward, params = runner.forward_fn(built.model, 1)
   prefill, decode = runner.step_fns(forward)
   tokens = jnp.zeros((1, 4), jnp.int32)
   _, tok, cache = prefill(params, tokens, runner.new_cache(built.model, 1, 8))
-  old = jax.tree.leaves(cache)
-  tok2, cache, pos = decode(params, tok, cache, jnp.int32(4))
-  assert all(a.is_deleted() for a in old)  # updated in place
-  assert isinstance(tok2, jax.Array) and tok2.shape == (1, 1) and int(pos) == 5
+  old, pos = jax.tree.leaves(cache), jnp.int32(4)
+  tok2, cache, pos2 = decode(params, tok, cache, pos)
+  # updated in place: the cache, the token and the position; the weights are kept
+  assert all(a.is_deleted() for a in old) and tok.is_deleted() and pos.is_deleted()
+  assert not any(p.is_deleted() for p in params)
+  assert isinstance(tok2, jax.Array) and tok2.shape == (1, 1) and int(pos2) == 5
 
 
 def test_run_tensor_parallel_reports_strategy(tmp_path):
