@@ -1,15 +1,17 @@
 """Model-level decode benchmark: one decode step per path (bf16, FP8 unfused, FP8 fused, all on
 one set of weights), per preset and batch.
 
-Time per step two ways (harness `measure`): device time, the profiler's kernel time summed per
-step (`kernel_us`, the default `time_us`), and the steady state, 32 steps launched back to back
-and timed by the wall clock (`steady_us`; `time_us` with --wall), which adds the idle gaps
-between kernels (`idle_us`, `top_gaps`) and any host time the launch queue does not hide
-(`dispatch_us`: host time to enqueue a step onto an idle device; `enqueue_us`: the same within
-the 32, where a full launch queue can hold the host back). Kernels per step counted from the
-compiled HLO; `graph_launches`: the CUDA graphs XLA launched for a step (one when every kernel
-is captured: a kernel XLA cannot capture, as jax-triton's were, is launched by the host
-between graphs, which cost 277-1455 us of idle GPU a step on the H200).
+Time per step two ways: device time, the profiler's kernel time summed per step (harness
+`measure`: `kernel_us`, the default `time_us`), and the steady state of the serving loop
+`jfusedq run` times (`models.run.decode_round`: greedy steps donating their token, cache and
+position, 32 launched back to back from the same context, wall clock per step, the median of 7
+rounds after a warm-up; `steady_us`, `time_us` with --wall), which adds the idle gaps between
+kernels (`idle_us`, `top_gaps`) and any host time the launch queue does not hide
+(`enqueue_us`: the host's time per step to launch the 32; `dispatch_us`: to launch one step
+onto an idle device). Kernels per step counted from the compiled HLO; `graph_launches`: the
+CUDA graphs XLA launched for a step (one when every kernel is captured: a kernel XLA cannot
+capture, as jax-triton's were, is launched by the host between graphs, which cost 277-1455 us
+of idle GPU a step on the H200).
 
 Floor = bytes a step must read, per device, / copy bandwidth. A step reads every weight once
 (`step_bytes`), except:
@@ -31,8 +33,8 @@ the deep presets, whose bf16 masters and FP8 weights take half an H200, are chec
 on the same device and tokens. Both round at the same places; what is left is the kernels' f32
 summation order and the FP8 codes it moves by a step, which the random-weight presets amplify
 layer by layer.
-`correct` = finite and within XLA_TOL: a gate for broken kernels (O(1) apart), the tight
-numerics being in tests/. The fused-vs-unfused distance is reported but does not gate: the
+`correct` = finite and within `xla_tol` of the preset: a gate for broken kernels (O(1)
+apart), the tight numerics being in tests/. The fused-vs-unfused distance is reported but does not gate: the
 paths differ by design (one bf16 rounding of the norm; 0.07-0.47 measured on the H200).
 --no-xla-check skips the reference (then `correct` is finiteness only).
 
@@ -51,7 +53,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -68,10 +72,18 @@ from jfusedq.testing import rel_rms  # noqa: E402
 from models import run as runner  # noqa: E402
 
 
-# Measured on CPU (Pallas interpreted vs XLA, same path, weights and tokens; tiny presets,
-# B = 1 / 8 / 32, two token draws, both paths): 0.0 to 0.185 relative RMS, the presets'
-# amplification of summation-order differences. A wrong scale or tile gives O(1).
-XLA_TOL = 0.3
+STEADY = 32  # steps a serving round launches back to back
+
+
+def xla_tol(layers: int) -> float:
+  """The relative RMS a path's logits may be from its XLA build. Both round at the same places;
+  what is left, the kernels' summation order and the FP8 codes it moves by a step, random
+  weights amplify layer by layer: measured 0.0 to 0.185 on CPU (Pallas interpreted; tiny
+  presets, B = 1 / 8 / 32, two token draws, both paths) and 0.29 (unfused) / 0.37 (fused) on the
+  H200 at 24 layers (deepseek-v3-deep, B = 1), where fused and unfused are 0.35 apart by design.
+  A wrong scale or tile gives O(1); unrelated logits are sqrt(2) apart."""
+  return 0.3 if layers <= 4 else 0.6
+
 
 # Unfused first: every row's `vs_xla` is its speed-up over the unfused FP8 step.
 PATHS = ("unfused", "fused", "bf16")
@@ -154,6 +166,30 @@ def main():
     del built, ref_paths, ref_logits  # the next preset's weights need the memory
 
 
+def serving(forward, params, model, b, context, tok0):
+  """(wall seconds per step, host seconds per step to launch a round, host seconds to launch
+  one step onto an idle device) of the serving loop from `context` (module docstring)."""
+  decode = runner.step_fns(forward)[1]
+  pos0 = jnp.int32(context)
+  cache = runner.new_cache(model, b, context + 1 + STEADY)
+  decode = decode.lower(params, tok0, cache, pos0).compile()
+  _, _, _, cache = runner.decode_round(decode, params, tok0, cache, pos0, STEADY)  # warm-up
+  per, enqueue = [], []
+  for _ in range(7):
+    s, e, _, cache = runner.decode_round(decode, params, tok0, cache, pos0, STEADY)
+    per.append(s)
+    enqueue.append(e)
+  one = []
+  for _ in range(5):
+    tok, pos = jnp.copy(tok0), jnp.copy(pos0)
+    jax.block_until_ready((tok, pos, cache))
+    t0 = time.perf_counter()
+    tok, cache, pos = decode(params, tok, cache, pos)
+    one.append(time.perf_counter() - t0)
+  jax.block_until_ready(cache)
+  return statistics.median(per), statistics.median(enqueue), statistics.median(one)
+
+
 def run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, ref_logits, bw, rows):
   """Every path of one preset, backend choice and batch: times and checks, into `rows`."""
   times, logits = {}, {}
@@ -193,13 +229,14 @@ def run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, ref_logits,
     read = weight_bytes + cache_bytes if args.tp == 1 else None
     # One step per timed jit, one compile (the counts read the same program): a step is a
     # whole model, and its compile dominates the run.
-    m = _harness.measure(step, make, 1, chain=False, hlo=True, steady=32)
+    m = _harness.measure(step, make, 1, chain=False, hlo=True)
     counts = kernel_counts(m["hlo"])
-    sec = (not args.wall and m["kernel_s"]) or m["steady_s"]
+    steady_s, enqueue_s, dispatch_s = serving(forward, params, model, b, args.context, tok0)
+    sec = (not args.wall and m["kernel_s"]) or steady_s
     times[path] = sec
     diff = rel_rms(logits[path], logits["unfused"])
     finite = bool(jnp.all(jnp.isfinite(logits[path])))
-    ok = finite and (xla_diff is None or xla_diff <= XLA_TOL)
+    ok = finite and (xla_diff is None or xla_diff <= xla_tol(len(model.layers)))
     rows.append(dict(case=dict(preset=preset, batch=b, tp=args.tp, context=args.context,
                                 implementation=impl),
                      impl=path, time_us=round(sec * 1e6, 2),
@@ -209,15 +246,14 @@ def run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, ref_logits,
                      logits_rel_rms_vs_xla=xla_diff and round(xla_diff, 6),
                      logits_rel_rms_vs_unfused=round(diff, 5), weight_bytes=weight_bytes,
                      cache_bytes=cache_bytes,
-                     steady_us=round(m["steady_s"] * 1e6, 2),
-                     dispatch_us=round(m["dispatch_s"] * 1e6, 2),
-                     enqueue_us=round(m["enqueue_s"] * 1e6, 2),
+                     steady_us=round(steady_s * 1e6, 2), dispatch_us=round(dispatch_s * 1e6, 2),
+                     enqueue_us=round(enqueue_s * 1e6, 2),
                      kernel_us=m["kernel_s"] and round(m["kernel_s"] * 1e6, 2), kernels=counts,
                      top_kernels=m.get("top_kernels"), idle_us=m.get("idle_us"),
                      top_gaps=m.get("top_gaps"), graph_launches=m.get("graph_launches"),
                      top_host=m.get("top_host")))
-    print(f"{preset:>20} {impl:>7} {b:>3} {path:>8} {sec * 1e6:9.1f} {m['steady_s'] * 1e6:9.1f} "
-          f"{m['dispatch_s'] * 1e6:8.1f} {counts['total']:7d} {times['unfused'] / sec:10.3f} "
+    print(f"{preset:>20} {impl:>7} {b:>3} {path:>8} {sec * 1e6:9.1f} {steady_s * 1e6:9.1f} "
+          f"{enqueue_s * 1e6:8.1f} {counts['total']:7d} {times['unfused'] / sec:10.3f} "
           f"{'-' if read is None else format(rows[-1]['roofline_frac'], '5.2f'):>5} "
           f"{'yes' if rows[-1]['correct'] else 'NO'}", flush=True)
 
