@@ -226,9 +226,10 @@ def step_fns(forward):
   on the device, the position carried on the device.
 
   The decode step donates the token and position as well as the cache, so its outputs take
-  its inputs' buffers: every buffer a step touches besides the weights is then the one the
-  step before used, and XLA replays the CUDA graph it recorded (it re-records the whole graph
-  when any buffer the graph uses has moved)."""
+  its inputs' buffers and no argument moves from step to step (XLA re-records a CUDA graph
+  whenever a buffer it uses has moved): on the H200 the host's time to launch a step of
+  deepseek-v3-deep fell from 3.0 / 2.1 ms to 1.4 / 1.5 ms (FP8 unfused / fused; bf16's stayed
+  2.1), one run each."""
   def prefill(params, tokens, cache):
     logits, cache = forward(params, tokens, cache, 0)
     return logits, jnp.argmax(logits[:, -1:], -1).astype(tokens.dtype), cache
