@@ -9,9 +9,8 @@ in blocks of 128 (the scale granularity) with a pipeline of `stages` TMA copies;
 warpgroups own 64 rows each of the 128 x block_n tile. Per K block, each compute warpgroup:
   1. d = a[64, 128] . w[block_n, 128]^T on the tensor cores (both operands K-major in shared
      memory, as fp8 wgmma requires), into a fresh f32 accumulator;
-  2. acc += d * s_a[:, None] * s_w[None, :] in registers (s_a: the rows' activation scales;
-     s_w: per column, the scale of the weight block it falls in, picked in registers from the
-     two block scales a 192-wide tile can span, a single scalar for tiles of 64 or 128).
+  2. acc += d * s_a[:, None] * s_w[None, :] in registers (s_a: the rows' activation scales,
+     s_w: the weight block's scale repeated over its columns).
 Scaling per block keeps the accumulation in f32 (Hopper's fp8 MMA accumulates with reduced
 precision inside one instruction chain). The two compute warpgroups drift apart, so one's
 rescale overlaps the other's wgmma, and the memory warpgroup keeps the copies ahead of both
