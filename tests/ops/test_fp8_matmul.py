@@ -373,9 +373,10 @@ def test_mosaic_gpu_declines(impl):
 
 
 def test_mosaic_gpu_fits_shared_memory():
-  # A float32 output's staging beside 4 stages of 192-wide tiles overflows Hopper's shared
-  # memory: the heuristic takes 3 stages there, and a config that cannot fit is refused by name.
-  assert mosaic_gpu.smem_bytes(MosaicConfig(192), jnp.float32) > 232448
+  # A float32 output's staging beside 4 stages of 192-wide tiles overflowed Hopper's shared
+  # memory (267328 bytes by Mosaic GPU's count on the H200): the heuristic takes 3 stages there,
+  # and a config that cannot fit is refused by name.
+  assert mosaic_gpu.smem_bytes(MosaicConfig(192), jnp.float32) >= 267328
   cfg = mosaic_gpu.heuristics(4096, 12288, 4096, jnp.float32)
   assert cfg.stages == 3 and mosaic_gpu.smem_bytes(cfg, jnp.float32) <= 232448
   assert mosaic_gpu.heuristics(4096, 12288, 4096).stages == 4
