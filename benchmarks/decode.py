@@ -150,8 +150,7 @@ def main():
 
     def paths(impl) -> dict:
       """{path: (model, forward, params)} on backend `impl`."""
-      models = {p: built.make(p == "fused", fp8=p != "bf16", implementation=impl)
-                for p in PATHS}
+      models = {p: built.path(p, implementation=impl) for p in PATHS}
       return {p: (m, *runner.forward_fn(m, args.tp)) for p, m in models.items()}
 
     ref_paths = paths("xla") if args.xla_check else None

@@ -19,7 +19,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -34,11 +33,8 @@ def seed_figures(preset: str, seeds: int, batch: int = 2, prompt_len: int = 16,
   figures = {pair: [] for pair in runner.PAIRS}
   for seed in range(seeds):
     built = runner.build(preset, seed=seed)
-    models = {"bf16": built.make(False, fp8=False), "unfused": built.make(False),
-              "fused": built.make(True)}
-    vocab = models["bf16"].cfg.vocab_size
-    tokens = jax.random.randint(jax.random.key(seed + 1), (batch, prompt_len), 0, vocab,
-                                jnp.int32)
+    models = {p: built.path(p) for p in runner.PATHS}
+    tokens = runner.prompt(models["bf16"].cfg.vocab_size, batch, prompt_len, seed)
     logits = {}
     for name, model in models.items():
       forward, params = runner.forward_fn(model, 1)

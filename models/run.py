@@ -119,6 +119,10 @@ class Built:
   def layers(self) -> int:
     return len(self.model.layers)
 
+  def path(self, name: str, implementation=None) -> nnx.Module:
+    """The model of path `name` (one of PATHS) over these weights."""
+    return self.make(name == "fused", fp8=name != "bf16", implementation=implementation)
+
 
 def quantize(master: nnx.Module, model: nnx.Module) -> nnx.Module:
   """Fills `model` (an abstract FP8 model, `nnx.eval_shape`) from `master` (the same model
@@ -374,6 +378,11 @@ def agreement(ref: np.ndarray, got: np.ndarray) -> dict:
   return dict(top1=top1, kl=kl, max_abs_diff=float(np.abs(ref - got).max()))
 
 
+def prompt(vocab: int, batch: int, prompt_len: int, seed: int) -> jax.Array:
+  """The fixed random prompt `[batch, prompt_len]` of a run with `seed`."""
+  return jax.random.randint(jax.random.key(seed + 1), (batch, prompt_len), 0, vocab, jnp.int32)
+
+
 def run(preset=None, checkpoint=None, *, batch=2, prompt_len=16, steps=32, repeats=20, tp=1,
         paths: Sequence[str] = PATHS, seed=0, progress=None) -> dict:
   """Every path of `paths` on one set of weights (module docstring); `progress`: a `Quiet`
@@ -382,15 +391,11 @@ def run(preset=None, checkpoint=None, *, batch=2, prompt_len=16, steps=32, repea
   t0 = time.perf_counter()
   with progress.spin("build"):
     built = build(preset, checkpoint, fp8="bf16" not in paths, tp=tp, seed=seed)
-    models = {"bf16": lambda: built.make(False, fp8=False),
-              "unfused": lambda: built.make(False, fp8=True),
-              "fused": lambda: built.make(True, fp8=True)}
-    models = {p: models[p]() for p in paths}
+    models = {p: built.path(p) for p in paths}
   progress.say(f"built {preset or checkpoint} ({built.layers} layers) in "
                f"{time.perf_counter() - t0:.1f} s")
   cfg = next(iter(models.values())).cfg
-  tokens = jax.random.randint(jax.random.key(seed + 1), (batch, prompt_len), 0, cfg.vocab_size,
-                              jnp.int32)
+  tokens = prompt(cfg.vocab_size, batch, prompt_len, seed)
   result = dict(model=preset or checkpoint, platform=jax.devices()[0].platform,
                 device=jax.devices()[0].device_kind, tp=tp, batch=batch, prompt_len=prompt_len,
                 steps=steps, repeats=repeats, layers=built.layers, paths={})
