@@ -115,7 +115,7 @@ def chain_len(nbytes):
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--sweep", action="store_true", help="also time other tilings at T >= 4096")
+  ap.add_argument("--sweep", action="store_true", help="also time other tilings")
   ap.add_argument("--impls", nargs="+", default=["xla", "pallas", "triton", "default"],
                   help="xla first: the baseline")
   ap.add_argument("--ts", nargs="+", type=int, default=TS)
@@ -158,9 +158,10 @@ def main():
     make = make_inputs(t, h, h2, residual, seed=n_case)
     n = 2 if args.smoke else chain_len(nbytes)  # the smoke run checks the script, not speed
     configs = [(impl, None) for impl in impls]
-    if args.sweep and t >= 4096:
+    if args.sweep:  # below 4096 rows (one wave or less) a program holds one row
       configs += [(f"{impl}(br={br},nw={nw})", Config(br, nw))
-                  for impl in ("pallas", "triton") for br in (1, 2, 4) for nw in (4, 8, 16, 32)]
+                  for impl in ("pallas", "triton") for br in ((1, 2, 4) if t >= 4096 else (1,))
+                  for nw in (4, 8, 16, 32)]
     same = _harness.copy_seconds(nbytes)
     xla = None
     for impl, config in configs:
