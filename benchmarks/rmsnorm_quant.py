@@ -160,7 +160,8 @@ def main():
     configs = [(impl, None) for impl in impls]
     if args.sweep:  # below 4096 rows (one wave or less) a program holds one row
       configs += [(f"{impl}(br={br},nw={nw})", Config(br, nw))
-                  for impl in ("pallas", "triton") for br in ((1, 2, 4) if t >= 4096 else (1,))
+                  for impl in ("pallas", "triton") if on_gpu or impl != "triton"
+                  for br in ((1, 2, 4) if t >= 4096 else (1,))
                   for nw in (4, 8, 16, 32)]
     same = _harness.copy_seconds(nbytes)
     xla = None
