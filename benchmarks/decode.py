@@ -3,12 +3,12 @@ one set of weights), per preset and batch.
 
 Time per step two ways: device time, the profiler's kernel time summed per step (harness
 `measure`: `kernel_us`, the default `time_us`), and the steady state of the serving loop
-`jfusedq run` times (`models.run.decode_round`: greedy steps donating their token, cache and
-position, 32 launched back to back from the same context, wall clock per step, the median of 7
-rounds after a warm-up; `steady_us`, `time_us` with --wall), which adds the idle gaps between
-kernels (`idle_us`, `top_gaps`) and any host time the launch queue does not hide
-(`enqueue_us`: the host's time per step to launch the 32; `dispatch_us`: to launch one step
-onto an idle device). Kernels per step counted from the compiled HLO; `graph_launches`: the
+`jfusedq run` times (`models.run.decode_round`: 32 greedy steps in calls of 8, each call
+donating its tokens, cache and position, launched back to back from the same context, wall
+clock per step, the median of 7 rounds after a warm-up; `steady_us`, `time_us` with --wall),
+which adds the idle gaps between kernels (`idle_us`, `top_gaps`) and any host time the launch
+queue does not hide (`enqueue_us`: the host's time per step to launch the 32; `dispatch_us`:
+to launch one call onto an idle device, per step). Kernels per step counted from the compiled HLO; `graph_launches`: the
 CUDA graphs XLA launched for a step (one when every kernel is captured: a kernel XLA cannot
 capture, as jax-triton's were, is launched by the host between graphs, which cost 277-1455 us
 of idle GPU a step on the H200).
@@ -167,12 +167,12 @@ def main():
 
 
 def serving(forward, params, model, b, context, tok0):
-  """(wall seconds per step, host seconds per step to launch a round, host seconds to launch
-  one step onto an idle device) of the serving loop from `context` (module docstring)."""
+  """(wall seconds per step, host seconds per step to launch a round, host seconds per step to
+  launch one call onto an idle device) of the serving loop from `context` (module docstring)."""
   decode = runner.step_fns(forward)[1]
   pos0 = jnp.int32(context)
   cache = runner.new_cache(model, b, context + 1 + STEADY)
-  decode = decode.lower(params, tok0, cache, pos0).compile()
+  decode = decode.lower(params, runner.first_toks(tok0, STEADY), cache, pos0).compile()
   _, _, _, cache = runner.decode_round(decode, params, tok0, cache, pos0, STEADY)  # warm-up
   per, enqueue = [], []
   for _ in range(7):
@@ -181,11 +181,11 @@ def serving(forward, params, model, b, context, tok0):
     enqueue.append(e)
   one = []
   for _ in range(5):
-    tok, pos = jnp.copy(tok0), jnp.copy(pos0)
-    jax.block_until_ready((tok, pos, cache))
+    toks, pos = runner.first_toks(tok0, STEADY), jnp.copy(pos0)
+    jax.block_until_ready((toks, pos, cache))
     t0 = time.perf_counter()
-    tok, cache, pos = decode(params, tok, cache, pos)
-    one.append(time.perf_counter() - t0)
+    toks, cache, pos = decode(params, toks, cache, pos)
+    one.append((time.perf_counter() - t0) / toks.shape[1])
   jax.block_until_ready(cache)
   return statistics.median(per), statistics.median(enqueue), statistics.median(one)
 

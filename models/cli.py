@@ -314,7 +314,8 @@ def main(argv=None) -> int:
   r.add_argument("--prompt-len", type=_positive, default=16,
                  help="prompt tokens, the positions the numerics compare (default %(default)s)")
   r.add_argument("--steps", type=_positive, default=32,
-                 help="decode steps a round, launched back to back (default %(default)s)")
+                 help="decode steps a round, in calls of up to 8 launched back to back "
+                 "(default %(default)s)")
   r.add_argument("--repeats", type=_positive, default=20,
                  help="timed rounds after a warm-up one: the median and p10-p90 per step are "
                       "over these (default %(default)s)")

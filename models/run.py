@@ -6,10 +6,11 @@ Weights: a preset builds bf16 masters from `seed`; the FP8 paths hold those mast
 to 128 x 128 blocks (`quantize`), the fused and unfused paths the very same arrays. A
 checkpoint loads its masters (FP8 weights dequantised) for bf16 and its FP8 weights as stored.
 
-Decode loop: the model state is split once into a flat list of arrays; a step takes (params,
-token, cache, pos), picks the next token on the device (argmax inside the jit) and donates the
-token, cache and position, so a round of `steps` steps is launched back to back with no host
-sync until its end, each step reading and writing the buffers the last one did.
+Decode loop: the model state is split once into a flat list of arrays; a call takes (params,
+tokens, cache, pos), runs up to 8 greedy steps (`chunk_for`), each picking the next token on the
+device (argmax inside the jit), and donates the tokens, cache and position, so a round of
+`steps` steps is launched back to back with no host sync until its end, each call reading and
+writing the buffers the last one did.
 Per path: `repeats` rounds after a warm-up one; step time = round wall time / steps (median and
 p10-p90 over rounds), host enqueue time = the launching loop's time / steps. On a GPU the
 profiler's kernel time per step is added (`device_ms`). On CPU these are XLA:CPU times of a
@@ -73,6 +74,12 @@ EXPECTED = {
     "qwen3.5-layers": {("bf16", "unfused"): (4.9e-3, 6.1e-3, 0.75, 0.85),
                        ("bf16", "fused"): (4.7e-3, 5.9e-3, 0.68, 0.88),
                        ("unfused", "fused"): (2.1e-3, 2.8e-3, 0.78, 0.91)},
+    "deepseek-v3-deep": {("bf16", "unfused"): (7.9e-2, 8.7e-2, 0.28, 0.44),
+                         ("bf16", "fused"): (8.4e-2, 8.8e-2, 0.21, 0.29),
+                         ("unfused", "fused"): (6.6e-2, 7.7e-2, 0.28, 0.47)},
+    "qwen3.5-deep": {("bf16", "unfused"): (1.2e-3, 2.0e-3, 0.81, 1.00),
+                     ("bf16", "fused"): (1.2e-3, 2.0e-3, 0.87, 1.00),
+                     ("unfused", "fused"): (2.9e-4, 5.0e-4, 0.87, 1.00)},
 }
 
 
@@ -224,13 +231,27 @@ def forward_fn(model: nnx.Module, tp: int):
   return forward, flat
 
 
+CHUNK = 8  # most decode steps one call runs (`chunk_for`)
+
+
+def chunk_for(steps: int) -> int:
+  """Steps per decode call for a round of `steps`: the largest divisor of `steps` up to CHUNK.
+
+  The host's cost to launch a call is mostly per call, not per step: on the H200 a call of one
+  deepseek-v3-deep step (FP8 fused, batch 1) took the host 1.57 ms to launch against 6.06 ms of
+  kernels, a call of 8 steps 0.32 ms a step, one run each. The price is latency: a call's
+  tokens arrive together."""
+  return max(d for d in range(1, min(steps, CHUNK) + 1) if steps % d == 0)
+
+
 def step_fns(forward):
   """Jitted `prefill(params, tokens, cache) -> (logits, next [B, 1], cache)` and
-  `decode(params, token [B, 1], cache, pos) -> (next, cache, pos + 1)`: greedy tokens picked
-  on the device, the position carried on the device.
+  `decode(params, toks [B, K], cache, pos) -> (toks [B, K], cache, pos + K)`: K greedy steps in
+  one call (a `fori_loop`), from the token in the last column of `toks`, each step's token
+  written to its column; tokens picked and the position carried on the device.
 
-  The decode step donates the token and position as well as the cache, so its outputs take
-  its inputs' buffers and no argument moves from step to step (XLA re-records a CUDA graph
+  The decode call donates its tokens and position as well as the cache, so its outputs take
+  its inputs' buffers and no argument moves from call to call (XLA re-records a CUDA graph
   whenever a buffer it uses has moved): on the H200 the host's time to launch a step of
   deepseek-v3-deep fell from 3.0 / 2.1 ms to 1.4 / 1.5 ms (FP8 unfused / fused; bf16's stayed
   2.1), one run each."""
@@ -238,9 +259,17 @@ def step_fns(forward):
     logits, cache = forward(params, tokens, cache, 0)
     return logits, jnp.argmax(logits[:, -1:], -1).astype(tokens.dtype), cache
 
-  def decode(params, tok, cache, pos):
-    logits, cache = forward(params, tok, cache, pos)
-    return jnp.argmax(logits[:, -1:], -1).astype(tok.dtype), cache, pos + 1
+  def decode(params, toks, cache, pos):
+    k = toks.shape[1]
+
+    def step(i, carry):
+      toks, cache, pos = carry
+      tok = jax.lax.dynamic_slice_in_dim(toks, (i + k - 1) % k, 1, axis=1)  # the last token
+      logits, cache = forward(params, tok, cache, pos)
+      tok = jnp.argmax(logits[:, -1:], -1).astype(toks.dtype)
+      return jax.lax.dynamic_update_slice_in_dim(toks, tok, i, axis=1), cache, pos + 1
+
+    return jax.lax.fori_loop(0, k, step, (toks, cache, pos))
 
   return jax.jit(prefill, donate_argnums=2), jax.jit(decode, donate_argnums=(1, 2, 3))
 
@@ -305,7 +334,7 @@ def run_path(name: str, forward, params, tokens, cache, steps: int, repeats: int
   t0 = time.perf_counter()
   with progress.spin(f"compile {name} decode"):
     # for the cache as the prefill lays it out (under TP: split over the devices)
-    decode_c = decode.lower(params, tok0, cache, pos0).compile()
+    decode_c = decode.lower(params, first_toks(tok0, steps), cache, pos0).compile()
   compile_s += time.perf_counter() - t0
   progress.say(f"compiled {name} prefill + decode in {compile_s:.1f} s; prefill "
                f"{prefill_s * 1e3:.1f} ms")
@@ -333,21 +362,29 @@ def run_path(name: str, forward, params, tokens, cache, steps: int, repeats: int
               step_ms_p10=p10 * 1e3, step_ms_p90=p90 * 1e3,
               enqueue_ms=float(np.median(enqueue_s)) * 1e3,
               device_ms=dev and dev / steps * 1e3, tokens_per_s=b / med, kernels=counts,
-              logits=logits, last_tokens=np.asarray(last))
+              logits=logits, last_tokens=np.asarray(last[:, -1:]))
+
+
+def first_toks(tok: jax.Array, steps: int) -> jax.Array:
+  """The `toks [B, K]` a round of `steps` starts from (`step_fns`' decode; K = `chunk_for`):
+  `tok [B, 1]` in every column, the last one being what the first step reads."""
+  return jnp.repeat(tok, chunk_for(steps), axis=1)
 
 
 def decode_round(decode, params, tok0, cache, pos0, steps: int):
-  """`steps` greedy decode steps from token `tok0` at `pos0`, launched back to back with one
-  sync at the end, as a serving loop runs them: (wall seconds per step, the host's seconds per
-  step to launch them, the last token, the cache). `decode`: `step_fns`'s decode step, which
-  donates the token, cache and position (copies of `tok0` and `pos0` are passed)."""
-  tok, pos = jnp.copy(tok0), jnp.copy(pos0)
+  """`steps` greedy decode steps from token `tok0 [B, 1]` at `pos0`, in calls of `chunk_for`
+  steps launched back to back with one sync at the end, as a serving loop runs them: (wall
+  seconds per step, the host's seconds per step to launch them, the last call's tokens
+  [B, K], the cache). `decode`: `step_fns`' decode, compiled for `first_toks(tok0, steps)`."""
+  toks, pos = first_toks(tok0, steps), jnp.copy(pos0)
+  calls = steps // toks.shape[1]
+  jax.block_until_ready((toks, pos))
   t0 = time.perf_counter()
-  for _ in range(steps):
-    tok, cache, pos = decode(params, tok, cache, pos)
+  for _ in range(calls):
+    toks, cache, pos = decode(params, toks, cache, pos)
   t1 = time.perf_counter()
-  jax.block_until_ready((tok, cache))
-  return (time.perf_counter() - t0) / steps, (t1 - t0) / steps, tok, cache
+  jax.block_until_ready((toks, cache))
+  return (time.perf_counter() - t0) / steps, (t1 - t0) / steps, toks, cache
 
 
 class Quiet:
@@ -398,7 +435,8 @@ def run(preset=None, checkpoint=None, *, batch=2, prompt_len=16, steps=32, repea
   tokens = prompt(cfg.vocab_size, batch, prompt_len, seed)
   result = dict(model=preset or checkpoint, platform=jax.devices()[0].platform,
                 device=jax.devices()[0].device_kind, tp=tp, batch=batch, prompt_len=prompt_len,
-                steps=steps, repeats=repeats, layers=built.layers, paths={})
+                steps=steps, steps_per_call=chunk_for(steps), repeats=repeats,
+                layers=built.layers, paths={})
   fp8_params = None  # the fused and unfused paths share one placed copy of the FP8 weights
   for name, model in models.items():
     forward, params = forward_fn(model, tp)
@@ -445,7 +483,7 @@ def _range(v: float, lo: float, hi: float, fmt: str) -> str:
 def table(r: dict) -> str:
   lines = [f"{r['model']} on {r['platform']} ({r['device']}), tp={r['tp']}, batch {r['batch']},"
            f" prompt {r['prompt_len']}, {r['layers']} layers; decode: {r['repeats']} rounds of"
-           f" {r['steps']} steps after a warm-up round"]
+           f" {r['steps']} steps ({r['steps_per_call']} a call) after a warm-up round"]
   if r["platform"] == "cpu":
     lines.append("CPU: these are XLA:CPU wall times of a host-bound program, NOT kernel speeds "
                  "(kernel times come from a GPU run)")

@@ -93,18 +93,45 @@ def test_paths_share_one_set_of_weights():
   assert xla.opts.implementation == "xla" and fused.opts.implementation is None
 
 
-def test_decode_step_donates_what_it_updates_and_picks_the_token_on_device():
+def test_decode_call_donates_what_it_updates_and_picks_the_tokens_on_device():
   built = runner.build("qwen3.5-tiny")
   forward, params = runner.forward_fn(built.model, 1)
   prefill, decode = runner.step_fns(forward)
   tokens = jnp.zeros((1, 4), jnp.int32)
   _, tok, cache = prefill(params, tokens, runner.new_cache(built.model, 1, 8))
+  toks = runner.first_toks(tok, 4)
   old, pos = jax.tree.leaves(cache), jnp.int32(4)
-  tok2, cache, pos2 = decode(params, tok, cache, pos)
-  # updated in place: the cache, the token and the position; the weights are kept
-  assert all(a.is_deleted() for a in old) and tok.is_deleted() and pos.is_deleted()
+  toks2, cache, pos2 = decode(params, toks, cache, pos)
+  # updated in place: the cache, the tokens and the position; the weights are kept
+  assert all(a.is_deleted() for a in old) and toks.is_deleted() and pos.is_deleted()
   assert not any(p.is_deleted() for p in params)
-  assert isinstance(tok2, jax.Array) and tok2.shape == (1, 1) and int(pos2) == 5
+  assert isinstance(toks2, jax.Array) and toks2.shape == (1, 4) and int(pos2) == 8
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3-tiny", "qwen3.5-tiny"])
+def test_decode_call_of_k_steps_is_k_calls_of_one(preset):
+  """Tokens and cache, bit for bit: the loop changes how steps are launched, not what they do."""
+  built = runner.build(preset)
+  forward, params = runner.forward_fn(built.model, 1)
+  prefill, decode = runner.step_fns(forward)
+  tokens = runner.prompt(built.model.cfg.vocab_size, 2, 5, seed=3)
+  outs = []
+  for k in (4, 1):
+    _, tok, cache = prefill(params, tokens, runner.new_cache(built.model, 2, 9))
+    toks, pos, seen = runner.first_toks(tok, k), jnp.int32(5), []
+    for _ in range(4 // k):
+      toks, cache, pos = decode(params, toks, cache, pos)
+      seen.append(np.asarray(toks))
+    outs.append((np.concatenate(seen, 1), [np.asarray(c) for c in jax.tree.leaves(cache)]))
+  (toks4, cache4), (toks1, cache1) = outs
+  np.testing.assert_array_equal(toks4, toks1)
+  assert len(set(toks1.ravel())) > 1  # a real sequence, not one token repeated
+  for a, b in zip(cache4, cache1):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_chunk_for_divides_the_round():
+  assert [runner.chunk_for(s) for s in (1, 2, 7, 12, 32, 13)] == [1, 2, 7, 6, 8, 1]
 
 
 def test_run_tensor_parallel_reports_strategy(tmp_path):
