@@ -79,8 +79,10 @@ def to_fp8(q: jax.Array, fmt: Fp8Format) -> jax.Array:
 
 
 def load_chunks(ref, k: int) -> list[jax.Array]:
-  """A `[rows, k]` block as f32 chunks of `chunk_width(k)` columns."""
+  """A `[rows, k]` (or `[k]`) block as f32 chunks of `chunk_width(k)` columns."""
   c = chunk_width(k)
+  if len(ref.shape) == 1:
+    return [ref[pl.ds(j * c, c)].astype(jnp.float32) for j in range(k // c)]
   return [ref[:, pl.ds(j * c, c)].astype(jnp.float32) for j in range(k // c)]
 
 

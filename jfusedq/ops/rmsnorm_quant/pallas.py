@@ -21,13 +21,12 @@ from jfusedq.ops.rmsnorm_quant.reference import RESCALE, safe_rsqrt
 
 def _normalise(hs: list, w_ref, k: int, eps: float, weight_offset: float) -> list:
   """Chunks of h (f32) -> chunks of h * rsqrt(mean(h^2) + eps) * (w + offset), overflow-safe
-  and NaN for a row holding a NaN or inf (`reference.safe_rsqrt`). `w_ref`: the weight as a
-  [1, k] block, so its chunks are rows as h's are (a vector broadcast to them is a layout
-  conversion, which XLA's Triton makes through shared memory: `rmsnorm_quant.triton`)."""
+  and NaN for a row holding a NaN or inf (`reference.safe_rsqrt`)."""
   ss = sum(jnp.sum(h * h, axis=1, keepdims=True) for h in hs)
   ss_rescaled = sum(jnp.sum(jnp.square(h * RESCALE), axis=1, keepdims=True) for h in hs)
   c, inv = safe_rsqrt(ss * (1.0 / k), ss_rescaled * (1.0 / k), eps)
-  return [h * c * inv * (w + weight_offset) for h, w in zip(hs, gq.load_chunks(w_ref, k))]
+  return [h * c * inv * (w[None, :] + weight_offset)
+          for h, w in zip(hs, gq.load_chunks(w_ref, k))]
 
 
 def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format | None, group_size,
@@ -80,11 +79,11 @@ def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format | N
   if has_res:
     inputs.append(residual)
     in_specs.append(row_spec)
-  inputs.append(weight.reshape(1, k))
-  in_specs.append(pl.BlockSpec((1, k), lambda i: (0, 0)))
+  inputs.append(weight)
+  in_specs.append(pl.BlockSpec((k,), lambda i: (0,)))
   if has_x2:
-    inputs += [x2, weight2.reshape(1, k2)]
-    in_specs += [pl.BlockSpec((bt, k2), lambda i: (i, 0)), pl.BlockSpec((1, k2), lambda i: (0, 0))]
+    inputs += [x2, weight2]
+    in_specs += [pl.BlockSpec((bt, k2), lambda i: (i, 0)), pl.BlockSpec((k2,), lambda i: (0,))]
   out_shape, out_specs = (gq.quant_out_specs(rows, k, fmt, group_size, layout, bt) if fmt
                           else ([], []))
   extra = [(has_res, (rows, k), x.dtype, row_spec),
