@@ -7,11 +7,11 @@ Time per step two ways: device time, the profiler's kernel time summed per step 
 donating its tokens, cache and position, launched back to back from the same context, wall
 clock per step, the median of 7 rounds after a warm-up; `steady_us`, `time_us` with --wall),
 which adds the idle gaps between kernels (`idle_us`, `top_gaps`) and any host time the launch
-queue does not hide (`enqueue_us`: the host's time per step to launch the 32; `dispatch_us`:
-to launch one call onto an idle device, per step). Kernels per step counted from the compiled HLO; `graph_launches`: the
-CUDA graphs XLA launched for a step (one when every kernel is captured: a kernel XLA cannot
-capture, as jax-triton's were, is launched by the host between graphs, which cost 277-1455 us
-of idle GPU a step on the H200).
+queue does not hide (`enqueue_us`: the host's time per step to launch the 32; `dispatch_us`: to
+launch one call onto an idle device, per step). Kernels per step counted from the compiled HLO;
+`graph_launches`: the CUDA graphs XLA launched for a step (one when every kernel is captured: a
+kernel XLA cannot capture, as jax-triton's were, is launched by the host between graphs, which
+cost 277-1455 us of idle GPU a step on the H200).
 
 Floor = bytes a step must read, per device, / copy bandwidth. A step reads every weight once
 (`step_bytes`), except:
@@ -34,8 +34,9 @@ on the same device and tokens. Both round at the same places; what is left is th
 summation order and the FP8 codes it moves by a step, which the random-weight presets amplify
 layer by layer.
 `correct` = finite and within `xla_tol` of the preset: a gate for broken kernels (O(1)
-apart), the tight numerics being in tests/. The fused-vs-unfused distance is reported but does not gate: the
-paths differ by design (one bf16 rounding of the norm; 0.07-0.47 measured on the H200).
+apart), the tight numerics being in tests/. The fused-vs-unfused distance is reported but
+does not gate: the paths differ by design (one bf16 rounding of the norm; 0.07-0.47 measured on
+the H200).
 --no-xla-check skips the reference (then `correct` is finiteness only).
 
 --impls builds the kernel paths more than one way, each timed against its own unfused path:
