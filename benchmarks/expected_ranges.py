@@ -1,7 +1,7 @@
 """The numerics ranges `jfusedq run` prints beside its random-weight figures (`EXPECTED` in
 models/run.py): per preset and path pair, KL(reference || path) and top-1 agreement of the
-teacher-forced prefill logits at the run's defaults (batch 2 x prompt 16), lowest and highest
-over seeds.
+teacher-forced prefill logits at `models.run.RANGE_BATCH` x `RANGE_PROMPT` (the run's defaults,
+2 x 16), lowest and highest over seeds.
 
 Each seed builds the preset's weights and prompt as `jfusedq run --seed S` does (bf16 masters,
 FP8 paths holding them quantised) and prefills that prompt on every path; each path's prefill
@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from models import run as runner  # noqa: E402
 
 
-def seed_figures(preset: str, seeds: int, batch: int = 2, prompt_len: int = 16,
+def seed_figures(preset: str, seeds: int, batch: int = runner.RANGE_BATCH,
+                 prompt_len: int = runner.RANGE_PROMPT,
                  steps: int = 32) -> dict[tuple[str, str], list[dict]]:
   """{(reference, path): [runner.agreement of seed 0, 1, ...]} over `seeds` seeds."""
   compiled = {}

@@ -44,10 +44,21 @@ def test_run_three_paths(tmp_path, capsys, preset):
   # One set of weights: FP8 is a small perturbation of bf16, not another random draw.
   for pair, a in r["numerics"].items():
     assert a["kl"] < 0.2, pair
-    assert a["expected"] is not None
+    assert a["expected"] is None  # measured at RANGE_BATCH x RANGE_PROMPT, not at 1 x 4
+  assert "ranges measured at batch 2 x prompt 16 only" in out.out
   # What FP8 costs comes from the trained model, beside the random weights' agreement.
   assert r["fp8_cost"]["bf16_nll"] == runner.fp8_cost("e4m3fn")["bf16_nll"]
   assert "what FP8 costs, on a trained model" in out.out
+
+
+def test_run_prints_the_ranges_at_the_size_they_were_measured_at(tmp_path, capsys):
+  assert (runner.RANGE_BATCH, runner.RANGE_PROMPT) == (2, 16)  # the CLI's defaults
+  assert main(["run", "--model", "llama-tiny", "--paths", "bf16", "unfused", "--steps", "1",
+               "--repeats", "1", "--out", str(tmp_path)]) == 0
+  r = json.loads((tmp_path / "run_llama-tiny.json").read_text())
+  assert r["numerics"]["bf16 -> unfused"]["expected"] == list(
+      runner.EXPECTED["llama-tiny"][("bf16", "unfused")])
+  assert "expected " in capsys.readouterr().out
 
 
 def test_fp8_cost_reads_the_accuracy_results(tmp_path):
