@@ -243,6 +243,14 @@ def run(args) -> int:
   return 0
 
 
+def case_labels(cases: list[dict]) -> list[str]:
+  """A bar group's name: every case key that varies across the file (a key some cases lack
+  included), as key=value where the case has it."""
+  keys = list(dict.fromkeys(k for c in cases for k in c))
+  varying = [k for k in keys if len({json.dumps(c.get(k)) for c in cases}) > 1]
+  return [",".join(f"{k}={c[k]}" for k in varying if k in c) for c in cases]
+
+
 def plot(args) -> int:
   """PNG of a benchmark results file: time per case for each implementation."""
   need = {"case", "impl", "time_us"}
@@ -279,10 +287,7 @@ def plot(args) -> int:
         bar.set_edgecolor("black")
   ax.set_yscale("log")
   ax.set_ylabel("time per call (us); hatched: check failed")
-  # Every case key that varies across the file names the bar group.
-  varying = [k for k in json.loads(cases[0])
-             if len({json.dumps(json.loads(c).get(k)) for c in cases}) > 1] if cases else []
-  labels = [",".join(f"{k}={json.loads(c).get(k)}" for k in varying) for c in cases]
+  labels = case_labels([json.loads(c) for c in cases])
   ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], labels, rotation=70,
                 fontsize=7)
   ax.set_title(f"{doc['benchmark']} on {doc['device']} (jax {doc['jax']}, {doc['date']})")

@@ -289,6 +289,13 @@ def test_plot_marks_failed_rows_and_names_cases(tmp_path):
   plt.close("all")
 
 
+def test_plot_names_a_key_only_some_cases_have():
+  """The bf16 side output (`hp`) and group_quant (`op`) cases of the norm benchmark."""
+  from models.cli import case_labels
+  cases = [dict(T=1, H=7168), dict(T=1, H=7168, hp=True), dict(T=1, H=7168, op="group_quant")]
+  assert case_labels(cases) == ["", "hp=True", "op=group_quant"]
+
+
 def test_demo(capsys):
   assert main(["demo", "--tokens", "4", "--hidden", "576", "--reps", "2"]) == 0
   assert "pallas vs xla: agree" in capsys.readouterr().out
