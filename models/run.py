@@ -51,14 +51,13 @@ from models.presets import PRESETS
 PATHS = ("bf16", "unfused", "fused")
 PAIRS = (("bf16", "unfused"), ("bf16", "fused"), ("unfused", "fused"))
 
-# (reference, path) -> (KL low, KL high, top-1 low, top-1 high) at the defaults (batch 2 x prompt
-# 16, teacher-forced): the min and max of those figures over seeds, as
-# benchmarks/expected_ranges.py measures them at RANGE_BATCH x RANGE_PROMPT (a run of another
-# size prints none): the tiny presets over seeds 0-15 on CPU (XLA), the -layers presets over
-# seeds 0-7 and the -deep ones over seeds 0-3 on the H200 (the GPU kernels). The random weights
-# amplify one rounding layer by layer (the MoE presets' KL is 2-35x the dense Llama's), so fused
-# vs unfused moves as much as FP8 vs bf16 here; a trained model's figures are the accuracy
-# reference (`fp8_cost`).
+# (reference, path) -> (KL low, KL high, top-1 low, top-1 high), teacher-forced at RANGE_BATCH x
+# RANGE_PROMPT (the run's defaults; a run of another size prints none): the min and max of those
+# figures over seeds, as benchmarks/expected_ranges.py measures them: the tiny presets over
+# seeds 0-15 on CPU (XLA), the -layers presets over seeds 0-7 and the -deep ones over seeds 0-3
+# on the H200 (the GPU kernels). The random weights amplify one rounding layer by layer (the MoE
+# presets' KL is 2-35x the dense Llama's), so fused vs unfused moves as much as FP8 vs bf16
+# here; a trained model's figures are the accuracy reference (`fp8_cost`).
 RANGE_BATCH, RANGE_PROMPT = 2, 16
 EXPECTED = {
     "deepseek-v3-tiny": {("bf16", "unfused"): (1.7e-2, 8.4e-2, 0.53, 0.82),
