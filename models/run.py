@@ -84,6 +84,11 @@ EXPECTED = {
 }
 
 
+def at_range_size(batch: int, prompt_len: int) -> bool:
+  """Whether a run of this size is the one EXPECTED's ranges were measured at."""
+  return (batch, prompt_len) == (RANGE_BATCH, RANGE_PROMPT)
+
+
 # What FP8 costs on a trained model: the accuracy benchmark's results, in a checkout.
 ACCURACY = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks",
                         "results", "accuracy.json")
@@ -458,8 +463,7 @@ def run(preset=None, checkpoint=None, *, batch=RANGE_BATCH, prompt_len=RANGE_PRO
         fmt=default_format(), keep_bf16=True)
   runs = result["paths"]
   result["fp8_cost"] = (fp8_cost(default_format().name) if set(runs) - {"bf16"} else None)
-  measured = not checkpoint and (batch, prompt_len) == (RANGE_BATCH, RANGE_PROMPT)
-  expected = EXPECTED.get(preset, {}) if measured else {}
+  expected = EXPECTED.get(preset, {}) if not checkpoint and at_range_size(batch, prompt_len) else {}
   result["numerics"] = {f"{a} -> {b}": dict(agreement(runs[a]["logits"], runs[b]["logits"]),
                                             expected=expected.get((a, b)))
                         for a, b in PAIRS if a in runs and b in runs}
@@ -523,7 +527,7 @@ def table(r: dict) -> str:
     n = r["batch"] * r["prompt_len"]
     what = ("random weights: a check against the measured range, not an accuracy figure"
             if r["model"] in EXPECTED else "reference -> path")
-    if r["model"] in EXPECTED and (r["batch"], r["prompt_len"]) != (RANGE_BATCH, RANGE_PROMPT):
+    if r["model"] in EXPECTED and not at_range_size(r["batch"], r["prompt_len"]):
       what += f"; ranges measured at batch {RANGE_BATCH} x prompt {RANGE_PROMPT} only"
     lines.append(f"numerics, teacher-forced over {n} positions of one fixed token sequence "
                  f"({what}):")
