@@ -44,6 +44,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -85,13 +86,17 @@ class Config:
 
 
 PERSISTENT_MAX_K = 2048
+# A K block's weight-block scales for one tile, padded to 128 bytes: TMA writes each pipeline
+# stage's box to shared memory at a 128-byte aligned address, and the stages of one operand sit
+# back to back (a 16-byte box faulted with CUDA_ERROR_MISALIGNED_ADDRESS on the H200).
+SW_BOX = 32
 PERSISTENT_MIN_M = 4096  # measured faster there; below it (K > 2048) persistent is unmeasured
 
 
 def smem_bytes(cfg: Config, out_dtype) -> int:
   """Shared memory of a CTA: the pipeline's stages (activation and weight blocks, their scales)
   and the two compute warpgroups' output staging, with 1 KiB for the barriers."""
-  stage = (BLOCK_M + cfg.block_n) * BLOCK_K + 4 * (BLOCK_M + cfg.block_n)
+  stage = (BLOCK_M + cfg.block_n) * BLOCK_K + 4 * (BLOCK_M + SW_BOX)
   return cfg.stages * stage + 2 * WG_M * cfg.block_n * jnp.dtype(out_dtype).itemsize + 1024
 
 
@@ -153,10 +158,13 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   if mp != m:
     qa = jnp.pad(qa, ((0, mp - m), (0, 0)))
     sa_col = jnp.pad(sa_col, ((0, 0), (0, mp - m)))
-  # The weight block's scale repeated over its 128 columns (one TMA row per K block), out to
-  # whole tiles: the last tile's weight rows past N arrive as zeros (TMA fills them).
-  sw_cols = jnp.repeat(sw.T, BLOCK_K, axis=1)
-  sw_cols = jnp.pad(sw_cols, ((0, 0), (0, max(0, nt * bn - sw_cols.shape[1]))))[:, :nt * bn]
+  # Per K block and tile, the scales of the (at most two) weight blocks the tile's columns fall
+  # in, padded to one TMA box of SW_BOX: [KB, tiles, SW_BOX]. The last tile's weight rows past N
+  # arrive as zeros (TMA fills them), whatever their scale.
+  first = np.arange(nt) * bn // BLOCK
+  sw_t = sw.T
+  sw_tiles = jnp.stack([sw_t[:, first], sw_t[:, np.minimum(first + 1, sw.shape[0] - 1)]], -1)
+  sw_tiles = jnp.pad(sw_tiles, ((0, 0), (0, 0), (0, SW_BOX - 2)))
 
   mt = mp // BLOCK_M
 
@@ -167,7 +175,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
         in_specs=[plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda b: (mi, b), transforms=_TRANSFORMS),
                   plgpu.BlockSpec((bn, BLOCK_K), lambda b: (ni, b), transforms=_TRANSFORMS),
                   plgpu.BlockSpec((1, BLOCK_M), lambda b: (b, mi)),
-                  plgpu.BlockSpec((1, bn), lambda b: (b, ni))])
+                  plgpu.BlockSpec((1, 1, SW_BOX), lambda b: (b, ni, 0))])
 
   def tile(mi, ni, refs, o_smem, allocations=None):
     a_gmem, sa_gmem, w_gmem, sw_gmem, o_gmem = refs
@@ -179,11 +187,20 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
         for c, d_ref in enumerate(d_refs):
           plgpu.wgmma(d_ref, a_smem.at[rows], w_smem.at[pl.ds(c * cw, cw)].transpose((1, 0)))
         s_a = plgpu.load(sa_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
+        s0, s1 = sw_smem[0, 0, 0], sw_smem[0, 0, 1]
         out = []
         for c, d_ref in enumerate(d_refs):
           plgpu.wgmma_wait(cfg.chunks - 1 - c)
-          s_w = plgpu.load(sw_smem.at[0, pl.ds(c * cw, cw)], layout=plgpu.Layout.WGMMA.reduce(0))
-          out.append(acc[c] + d_ref[...] * s_a[:, None] * s_w[None, :])
+          # The chunk's first column, counted from the first weight block the tile touches.
+          lo = (ni * bn) % BLOCK + c * cw
+          if BLOCK % cw == 0:  # the chunk lies in one weight block: one FMA per value
+            scale = (s_a * jnp.where(lo < BLOCK, s0, s1))[:, None]
+            out.append(acc[c] + d_ref[...] * scale)
+          else:  # columns before the block edge take the first block's scale, the rest the second's
+            col = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (cw,), 0) + lo,
+                                    plgpu.Layout.WGMMA.reduce(0))
+            s_w = jnp.where(col < BLOCK, s0, s1)
+            out.append(acc[c] + d_ref[...] * s_a[:, None] * s_w[None, :])
         return tuple(out)
 
       return pl.run_scoped(mma, *[plgpu.ACC((WG_M, cw), jnp.float32)] * cfg.chunks)
@@ -231,5 +248,5 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
       kernel, out_type=jax.ShapeDtypeStruct((mp, n), out_dtype), grid=grid, grid_names=names,
       num_threads=3, thread_name="wg",
       interpret=plgpu.InterpretGPUParams() if _target.interpret() else False,
-  )(qa, sa_col, qw, sw_cols)
+  )(qa, sa_col, qw, sw_tiles)
   return out[:m] if mp != m else out
