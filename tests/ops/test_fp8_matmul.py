@@ -354,6 +354,7 @@ def test_mosaic_gpu_heuristics():
   assert not pick(1024, 12288, 4096).persistent and pick(1024, 12288, 1536).persistent
   assert pick(4096, 12288, 4096) == MosaicConfig(192, persistent=True, chunks=2)
   assert pick(4096, 7168, 16384) == MosaicConfig(128, persistent=True, chunks=1)
+  assert pick(256, 12288, 4096) == MosaicConfig(192, chunks=3)  # per tile: chunks of 64
 
 
 @pytest.mark.parametrize("impl", [MOSAIC_GPU])
@@ -421,15 +422,14 @@ def test_mosaic_gpu_lowers(target, persistent, out_dtype):
     (256, 12288, 4096, "mosaic_gpu"),  # 2 x 64 tiles of 128 x 192
     (256, 1024, 4096, "triton"),  # 2 x 16 tiles at the narrowest: under half of 132
     (1024, 2112, 7168, "mosaic_gpu"), (4096, 24576, 1536, "mosaic_gpu"),
-    (1024, 7168, 16384, "triton"),  # K > 8192 below M = 4096
+    (256, 7168, 16384, "mosaic_gpu"), (1024, 7168, 16384, "mosaic_gpu"),  # at every K
     (4096, 7168, 16384, "mosaic_gpu"),  # persistent from M = 4096: at every K
     (4096, 2100, 7168, "triton")])  # N % 64: the Mosaic GPU kernel cannot tile it
 def test_gpu_order(monkeypatch, m, n, k, first):
   # Triton where M < 256 (0.99-1.06x Pallas's speed at M <= 16, 1.15-1.72x at M = 64, and since
   # both go to XLA's Triton custom call, both in the step's CUDA graph); from M = 256, Mosaic GPU
-  # where its tiles cover half the H200's SMs and K <= 8192 or M >= 4096 (measured ahead there);
-  # Pallas after
-  # Triton, for machines without `triton`.
+  # where its tiles cover half the H200's SMs (measured ahead there); Pallas after Triton, for
+  # machines without `triton`.
   from jfusedq import _target
   monkeypatch.setattr(_target, "current", lambda: _target.Target("cuda", "NVIDIA H200"))
   assert mm_api.gpu_order(m, n, k)[0] == first

@@ -30,7 +30,7 @@ declare("grouped_fp8_matmul", IMPLEMENTATIONS)
 # per-tile schedule tied Triton or trailed it by up to 4%, and from M = 4096, where it runs
 # persistent, it goes first at every K (1029.7 against 1228.0 us per-tile at (7168, 16384)).
 # Off Hopper it declines and the order goes on.
-MOSAIC_MIN_M, MOSAIC_MAX_K = 256, 8192
+MOSAIC_MIN_M = 256
 # Grouped (MoE) products: Triton first as well; the Pallas grouped kernel ran 0-6% behind it
 # at <= 16 rows a product, 11% at 32.
 
@@ -39,7 +39,7 @@ def gpu_order(m: int, n: int, k: int) -> tuple[str, ...]:
   """The GPU backends for an `[M, K]` activation and an `[N, K]` weight, best first (measured,
   above)."""
   order = _dispatch.GPU_ORDER
-  if m < MOSAIC_MIN_M or (k > MOSAIC_MAX_K and m < mosaic_gpu.PERSISTENT_MIN_M) or n % 64:
+  if m < MOSAIC_MIN_M or n % 64:
     return order
   block_n = mosaic_gpu.heuristics(m, n, k).block_n
   return ("mosaic_gpu", *order) if mosaic_gpu.covers_half(m, n, block_n) else order

@@ -9,8 +9,11 @@ in blocks of 128 (the scale granularity) with a pipeline of `stages` TMA copies;
 warpgroups own 64 rows each of the 128 x block_n tile. Per K block, each compute warpgroup:
   1. d = a[64, 128] . w[block_n, 128]^T on the tensor cores (both operands K-major in shared
      memory, as fp8 wgmma requires), into a fresh f32 accumulator;
-  2. acc += d * s_a[:, None] * s_w[None, :] in registers (s_a: the rows' activation scales,
-     s_w: the weight block's scale repeated over its columns).
+  2. acc += d * (s_a * s_w)[:, None] in registers (s_a: the rows' activation scales, s_w: the
+     scale of the weight block the wgmma group's columns lie in), one FMA per value; a group
+     whose columns cross a weight block's edge (a 192-wide tile in one or two groups) takes a
+     per-column scale, d * s_a[:, None] * s_w[None, :]. The memory warpgroup copies the two
+     weight-block scales a tile can touch, per K block, as one 128-byte TMA box.
 Scaling per block keeps the accumulation in f32 (Hopper's fp8 MMA accumulates with reduced
 precision inside one instruction chain). The two compute warpgroups drift apart, so one's
 rescale overlaps the other's wgmma, and the memory warpgroup keeps the copies ahead of both
@@ -103,8 +106,9 @@ def smem_bytes(cfg: Config, out_dtype) -> int:
 def heuristics(m: int, n: int, k: int, out_dtype=jnp.bfloat16) -> Config:
   """The widest tile dividing N (fewer weight tiles re-read per activation tile) whose tiles
   cover half the SMs, else the narrowest; 4 stages; persistent where K is short or M is at
-  least PERSISTENT_MIN_M, in two chunks where the tile is 192 wide (module docstring); 3 stages
-  where 4 do not fit the shared memory beside the output staging (a float32 output at 192).
+  least PERSISTENT_MIN_M; a 192-wide tile in two chunks when persistent, else in three (module
+  docstring); 3 stages where 4 do not fit the shared memory beside the output staging (a
+  float32 output at 192).
 
   From the H200 sweeps: at M = 4096 192 columns ran fastest wherever N allows; at M = 256,
   where 2 row tiles leave few column tiles, 64 columns took 24.8 us against 47.0 for 192 at
@@ -114,7 +118,8 @@ def heuristics(m: int, n: int, k: int, out_dtype=jnp.bfloat16) -> Config:
   widths = [bn for bn in (192, 128, 64) if n % bn == 0] or [64]  # N % 64: `check` declines
   block_n = next((bn for bn in widths if covers_half(m, n, bn)), widths[-1])
   persistent = k <= PERSISTENT_MAX_K or m >= PERSISTENT_MIN_M
-  cfg = Config(block_n, persistent=persistent, chunks=2 if persistent and block_n == 192 else 1)
+  chunks = (2 if persistent else 3) if block_n == 192 else 1
+  cfg = Config(block_n, persistent=persistent, chunks=chunks)
   while smem_bytes(cfg, out_dtype) > _target.HOPPER_SMEM_BYTES and cfg.stages > 1:
     cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
   return cfg
