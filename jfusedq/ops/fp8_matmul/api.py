@@ -41,8 +41,8 @@ def gpu_order(m: int, n: int, k: int) -> tuple[str, ...]:
   order = _dispatch.GPU_ORDER
   if m < MOSAIC_MIN_M or n % 64:
     return order
-  block_n = mosaic_gpu.heuristics(m, n, k).block_n
-  return ("mosaic_gpu", *order) if mosaic_gpu.covers_half(m, n, block_n) else order
+  cfg = mosaic_gpu.heuristics(m, n, k)
+  return ("mosaic_gpu", *order) if mosaic_gpu.covers_half(m, n, cfg.block_n, cfg.splits) else order
 
 
 def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_scale: jax.Array, *,

@@ -78,6 +78,9 @@ class Config:
   # The tile's columns in this many wgmma groups: a group's rescale runs while the next
   # group's wgmma is still on the tensor cores.
   chunks: int = 1
+  # K in this many equal parts, one CTA each (per-tile schedule only): float32 partial
+  # products that XLA sums, for a grid of tiles too small to fill the SMs.
+  splits: int = 1
 
   def __post_init__(self):
     if self.block_n not in (64, 128, 192):
@@ -86,6 +89,9 @@ class Config:
       raise ValueError(f"Config.chunks must split block_n into multiples of 32, got {self}")
     if not isinstance(self.stages, int) or self.stages < 1:
       raise ValueError(f"Config.stages must be a positive int, got {self.stages!r}")
+    if not isinstance(self.splits, int) or self.splits < 1 or (self.splits > 1
+                                                                and self.persistent):
+      raise ValueError(f"Config.splits must be a positive int, 1 when persistent, got {self}")
 
 
 PERSISTENT_MAX_K = 2048
@@ -100,15 +106,16 @@ def smem_bytes(cfg: Config, out_dtype) -> int:
   """Shared memory of a CTA: the pipeline's stages (activation and weight blocks, their scales)
   and the two compute warpgroups' output staging, with 1 KiB for the barriers."""
   stage = (BLOCK_M + cfg.block_n) * BLOCK_K + 4 * (BLOCK_M + SW_BOX)
-  return cfg.stages * stage + 2 * WG_M * cfg.block_n * jnp.dtype(out_dtype).itemsize + 1024
+  staged = jnp.dtype(jnp.float32 if cfg.splits > 1 else out_dtype).itemsize
+  return cfg.stages * stage + 2 * WG_M * cfg.block_n * staged + 1024
 
 
 def heuristics(m: int, n: int, k: int, out_dtype=jnp.bfloat16) -> Config:
   """The widest tile dividing N (fewer weight tiles re-read per activation tile) whose tiles
   cover half the SMs, else the narrowest; 4 stages; persistent where K is short or M is at
   least PERSISTENT_MIN_M; a 192-wide tile in two chunks when persistent, else in three (module
-  docstring); 3 stages where 4 do not fit the shared memory beside the output staging (a
-  float32 output at 192).
+  docstring); K in two parts where the tiles number at most half the SMs; 3 stages where 4 do
+  not fit the shared memory beside the output staging (a float32 output at 192).
 
   From the H200 sweeps: at M = 4096 192 columns ran fastest wherever N allows; at M = 256,
   where 2 row tiles leave few column tiles, 64 columns took 24.8 us against 47.0 for 192 at
@@ -119,15 +126,19 @@ def heuristics(m: int, n: int, k: int, out_dtype=jnp.bfloat16) -> Config:
   block_n = next((bn for bn in widths if covers_half(m, n, bn)), widths[-1])
   persistent = k <= PERSISTENT_MAX_K or m >= PERSISTENT_MIN_M
   chunks = (2 if persistent else 3) if block_n == 192 else 1
-  cfg = Config(block_n, persistent=persistent, chunks=chunks)
+  kb = k // BLOCK_K
+  tiles = -(-m // BLOCK_M) * -(-n // block_n)
+  splits = 2 if not persistent and 2 * tiles <= _target.sm_count() and kb % 2 == 0 else 1
+  cfg = Config(block_n, persistent=persistent, chunks=chunks, splits=splits)
   while smem_bytes(cfg, out_dtype) > _target.HOPPER_SMEM_BYTES and cfg.stages > 1:
     cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
   return cfg
 
 
-def covers_half(m: int, n: int, block_n: int) -> bool:
-  """Whether the 128 x block_n tiles of an `[M, N]` output number at least half the SMs."""
-  return 2 * -(-m // BLOCK_M) * (n // block_n) >= _target.sm_count()
+def covers_half(m: int, n: int, block_n: int, splits: int = 1) -> bool:
+  """Whether the CTAs of an `[M, N]` output in 128 x block_n tiles, K in `splits` parts,
+  number at least half the SMs."""
+  return 2 * -(-m // BLOCK_M) * (n // block_n) * splits >= _target.sm_count()
 
 
 def check(qa: jax.Array, n: int, k: int) -> None:
@@ -156,6 +167,10 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
                       f"{smem_bytes(cfg, out_dtype)} bytes of shared memory, over Hopper's "
                       f"{_target.HOPPER_SMEM_BYTES}: fewer stages or a narrower tile")
   bn, kb = cfg.block_n, k // BLOCK_K
+  if kb % cfg.splits:
+    raise InputError(f"{cfg} splits K = {k} ({kb} blocks of {BLOCK_K}) into unequal parts")
+  kp = kb // cfg.splits  # K blocks per CTA
+  staged = jnp.float32 if cfg.splits > 1 else out_dtype
   cw = bn // cfg.chunks
   mp = -(-m // BLOCK_M) * BLOCK_M
   nt = -(-n // bn)
@@ -173,16 +188,18 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
 
   mt = mp // BLOCK_M
 
-  def pipeline(step, context, mi, ni):
+  def pipeline(step, context, mi, ni, ks=0):
+    b0 = ks * kp
     return plgpu.emit_pipeline_warp_specialized(
-        step, grid=(kb,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+        step, grid=(kp,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
         max_concurrent_steps=cfg.stages, compute_context=context,
-        in_specs=[plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda b: (mi, b), transforms=_TRANSFORMS),
-                  plgpu.BlockSpec((bn, BLOCK_K), lambda b: (ni, b), transforms=_TRANSFORMS),
-                  plgpu.BlockSpec((1, BLOCK_M), lambda b: (b, mi)),
-                  plgpu.BlockSpec((1, 1, SW_BOX), lambda b: (b, ni, 0))])
+        in_specs=[plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda b: (mi, b0 + b),
+                                  transforms=_TRANSFORMS),
+                  plgpu.BlockSpec((bn, BLOCK_K), lambda b: (ni, b0 + b), transforms=_TRANSFORMS),
+                  plgpu.BlockSpec((1, BLOCK_M), lambda b: (b0 + b, mi)),
+                  plgpu.BlockSpec((1, 1, SW_BOX), lambda b: (b0 + b, ni, 0))])
 
-  def tile(mi, ni, refs, o_smem, allocations=None):
+  def tile(mi, ni, refs, o_smem, allocations=None, ks=0):
     a_gmem, sa_gmem, w_gmem, sw_gmem, o_gmem = refs
     wg = lax.axis_index("wg")
     rows = pl.ds(wg * WG_M, WG_M)
@@ -216,20 +233,23 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
       if cfg.persistent:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read o_smem
       for c, part in enumerate(acc):
-        o_smem[wg, :, pl.ds(c * cw, cw)] = part.astype(out_dtype)
+        o_smem[wg, :, pl.ds(c * cw, cw)] = part.astype(staged)
       plgpu.commit_smem()
+      dst = o_gmem.at[ks] if cfg.splits > 1 else o_gmem
       plgpu.copy_smem_to_gmem(
-          o_smem.at[wg], o_gmem.at[pl.ds(mi * BLOCK_M + wg * WG_M, WG_M), pl.ds(ni * bn, bn)])
+          o_smem.at[wg], dst.at[pl.ds(mi * BLOCK_M + wg * WG_M, WG_M), pl.ds(ni * bn, bn)])
       if not cfg.persistent:
         plgpu.wait_smem_to_gmem(0)
 
-    pipeline(step, context, mi, ni)(a_gmem, w_gmem, sa_gmem, sw_gmem, allocations=allocations)
+    pipeline(step, context, mi, ni, ks)(a_gmem, w_gmem, sa_gmem, sw_gmem,
+                                        allocations=allocations)
 
   def kernel(*refs):
     # Allocated by all three warpgroups together (a collective scope), used by the compute two.
-    out_smem = plgpu.SMEM((2, WG_M, bn), out_dtype)
+    out_smem = plgpu.SMEM((2, WG_M, bn), staged)
     if not cfg.persistent:
-      pl.run_scoped(lambda o_smem: tile(lax.axis_index("m"), lax.axis_index("n"), refs, o_smem),
+      pl.run_scoped(lambda o_smem: tile(lax.axis_index("m"), lax.axis_index("n"), refs, o_smem,
+                                        ks=lax.axis_index("k") if cfg.splits > 1 else 0),
                     out_smem, collective_axes="wg")
     else:
       # The pipeline's buffers outlive the tiles: the memory warpgroup starts copying the next
@@ -247,11 +267,17 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
 
       pl.run_scoped(scope, allocs, out_smem, collective_axes="wg")
 
-  grid, names = (((mt, nt), ("m", "n")) if not cfg.persistent
-                 else ((min(mt * nt, _target.sm_count()),), ("c",)))
+  if cfg.persistent:
+    grid, names = (min(mt * nt, _target.sm_count()),), ("c",)
+  else:
+    grid, names = ((mt, nt, cfg.splits), ("m", "n", "k")) if cfg.splits > 1 else ((mt, nt),
+                                                                                 ("m", "n"))
+  out_shape = (cfg.splits, mp, n) if cfg.splits > 1 else (mp, n)
   out = plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((mp, n), out_dtype), grid=grid, grid_names=names,
+      kernel, out_type=jax.ShapeDtypeStruct(out_shape, staged), grid=grid, grid_names=names,
       num_threads=3, thread_name="wg",
       interpret=plgpu.InterpretGPUParams() if _target.interpret() else False,
   )(qa, sa_col, qw, sw_tiles)
+  if cfg.splits > 1:
+    out = out.sum(0).astype(out_dtype)
   return out[:m] if mp != m else out
