@@ -24,11 +24,9 @@ declare("grouped_fp8_matmul", IMPLEMENTATIONS)
 # Triton first (_dispatch.GPU_ORDER): on the H200 it ran 0.99-1.06x the Pallas kernel's speed at
 # M <= 16, 1.15-1.72x at M = 64 and 2.0-2.3x at M = 4096 (the Pallas-Triton lowering feeds fp8
 # to f16 mma.sync instead of fp8 wgmma); without `triton` installed it declines and Pallas runs.
-# The warp-specialised Mosaic GPU kernel (Hopper) goes first from M = 256 where its tiles cover
-# at least half the SMs and K <= 8192: there it ran 1.10-1.77x Triton's speed (M = 256 to 1024)
-# and 1.07-1.10x XLA's bf16 dot at M = 4096, where Triton ran 0.88-1.06x; at K = 16384 its
-# per-tile schedule tied Triton or trailed it by up to 4%, and from M = 4096, where it runs
-# persistent, it goes first at every K (1029.7 against 1228.0 us per-tile at (7168, 16384)).
+# The warp-specialised Mosaic GPU kernel (Hopper) goes first from M = 256 where its CTAs (tiles
+# times K parts) cover at least half the SMs: over the seven projection and expert shapes at
+# M = 256, 1024 and 4096 it ran 1.01-1.80x Triton's speed (one run, benchmarks/README.md).
 # Off Hopper it declines and the order goes on.
 MOSAIC_MIN_M = 256
 # Grouped (MoE) products: Triton first as well; the Pallas grouped kernel ran 0-6% behind it

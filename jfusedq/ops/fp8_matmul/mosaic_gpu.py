@@ -4,7 +4,7 @@ Why a third kernel: the Pallas-Triton lowering emits `tt.dot` without `maxNumImp
 Triton turns its fp8 dot into f16 `mma.sync` (pallas.py); this kernel issues e4m3 x e4m3 wgmma
 through Mosaic GPU directly.
 
-Grid (M / 128, ceil(N / block_n)), three warpgroups per program: one memory warpgroup walks K
+Grid (M / 128, ceil(N / block_n), splits), three warpgroups per program: one memory warpgroup walks K
 in blocks of 128 (the scale granularity) with a pipeline of `stages` TMA copies; two compute
 warpgroups own 64 rows each of the 128 x block_n tile. Per K block, each compute warpgroup:
   1. d = a[64, 128] . w[block_n, 128]^T on the tensor cores (both operands K-major in shared
@@ -28,17 +28,27 @@ Schedules (`Config`): per-tile CTAs, or `persistent`: one CTA per SM loops over 
 each a pipeline over K, the pipeline's buffers allocated once so the memory warpgroup runs
 ahead into the next tile (the store stays out of the step: moving it in cost 1-25% more than
 the refills saved). `chunks = 2` issues the tile's columns as two wgmma groups and rescales
-the first while the second runs.
+the first while the second runs. `splits` (per-tile only) gives each tile that many CTAs, each
+a part of K, storing float32 partials that XLA sums: for a grid of tiles that leaves SMs idle.
 
-H200, M = 4096, profiler kernel time, fresh weights per call: the persistent schedule with
-192-wide tiles in two chunks ran 140.8 / 341.1 / 419.7 us at (N, K) = (2112, 7168) /
-(24576, 1536) / (12288, 4096) against 145.1 / 351.5 / 472.7 for one chunk, per-tile (persistent
-at K = 1536); with 128-wide tiles one chunk is faster (two 64-wide groups re-read the activation
-block from shared memory twice): 1029.7 against 1074.6 us at (7168, 16384), where the per-tile
-schedule took 1228.0. Over the seven projection and expert shapes at M = 4096 it runs 790-980
-TFLOP/s, 0.66-0.78x cuBLAS's blockwise FP8 GEMM timed in the same run. A 2-CTA cluster
-multicasting the weight block to both CTAs measured within 1% of the same schedule without it
-(the L2 is not what bounds the kernel).
+H200, profiler kernel time of the whole call, fresh weights per call, pairs from one run:
+- the weight-block scales as scalars (one FMA per value where a chunk lies in one block)
+  against a per-column scale vector (two multiplies and an add per value): 121.7 against 140.3
+  us at (N, K) = (2112, 7168), M = 4096; 363.7 against 418.9 at (12288, 4096); 890.3 against
+  1031.8 at (7168, 16384); 69.7 against 94.9 at (7168, 16384), M = 256;
+- chunks: persistent 192-wide tiles run fastest in two (363.7 us at (12288, 4096), M = 4096,
+  against 378.4 in three of 64, which read the activation block from shared memory three
+  times); per-tile ones in three (31.5 against 34.9 us for one group at M = 256); 128-wide
+  tiles in one (890.3 against 946.2 us for 192 in three at (7168, 16384));
+- the persistent schedule: 1029.7 against 1228.0 us per-tile at (7168, 16384), M = 4096
+  (measured with the per-column scales);
+- the scales loaded from global memory by the compute warpgroups (no TMA, no XLA ops to lay
+  them out first) ran 0.93-1.29x the time (435.9 against 367.7 us at (12288, 4096),
+  M = 4096): their latency lands on the rescale;
+- a 2-CTA cluster multicasting the weight block to both CTAs measured within 1% of the same
+  schedule without it (the L2 is not what bounds the kernel).
+At M = 4096 it runs 991-1118 TFLOP/s over the seven projection and expert shapes, 0.79-0.88x
+cuBLAS's blockwise FP8 GEMM timed in the same run (benchmarks/README.md).
 """
 
 from __future__ import annotations
