@@ -453,14 +453,13 @@ def test_gpu_order(monkeypatch, m, n, k, first):
 
 @pytest.mark.lowering
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("m,k,mosaic", [(4096, 1536, True), (1024, 16384, False),
+@pytest.mark.parametrize("m,k,mosaic", [(4096, 1536, True), (1024, 16384, True),
                                         (4096, 16384, True), (256, 1536, True),
-                                        (255, 1536, False)])
+                                        (256, 7168, True), (255, 1536, False)])
 def test_default_order_lowers(target, m, k, mosaic):
   # With no implementation asked for, Hopper runs the Mosaic GPU kernel where it was measured
-  # to win (api.gpu_order: M >= 256, K <= 8192 or M >= 4096, its tiles on half the SMs;
-  # N = 2112 here, so M = 256 has 66 tiles of 128 x 64) and the portable kernels elsewhere;
-  # ROCm never.
+  # to win (api.gpu_order: M >= 256, its CTAs on half the SMs; N = 2112 here, so M = 256 has
+  # 66 tiles of 128 x 64, K = 7168 in two parts) and the portable kernels elsewhere; ROCm never.
   S = jax.ShapeDtypeStruct
   fp8 = jnp.float8_e4m3fnuz if target == "gfx942" else jnp.float8_e4m3fn
 
