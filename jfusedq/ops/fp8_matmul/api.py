@@ -24,11 +24,12 @@ declare("grouped_fp8_matmul", IMPLEMENTATIONS)
 # Triton first (_dispatch.GPU_ORDER): on the H200 it ran 0.99-1.06x the Pallas kernel's speed at
 # M <= 16, 1.15-1.72x at M = 64 and 2.0-2.3x at M = 4096 (the Pallas-Triton lowering feeds fp8
 # to f16 mma.sync instead of fp8 wgmma); without `triton` installed it declines and Pallas runs.
-# The warp-specialised Mosaic GPU kernel (Hopper) goes first from M = 256 where its CTAs (tiles
-# times K parts) cover at least half the SMs: over the seven projection and expert shapes at
-# M = 256, 1024 and 4096 it ran 1.01-1.80x Triton's speed (one run, benchmarks/README.md).
+# The warp-specialised Mosaic GPU kernel (Hopper) goes first from M = 256 where it has at least
+# MOSAIC_MIN_TILES tiles: over the seven projection and expert shapes at M = 256, 1024 and 4096
+# it ran 1.01-1.80x Triton's speed (one run, benchmarks/README.md), 1.20x with the fewest tiles
+# measured (64 of 128 x 64 at (N, K) = (2048, 7168), M = 256). Fewer tiles are unmeasured.
 # Off Hopper it declines and the order goes on.
-MOSAIC_MIN_M = 256
+MOSAIC_MIN_M, MOSAIC_MIN_TILES = 256, 64
 # Grouped (MoE) products: Triton first as well; the Pallas grouped kernel ran 0-6% behind it
 # at <= 16 rows a product, 11% at 32.
 
@@ -39,8 +40,8 @@ def gpu_order(m: int, n: int, k: int) -> tuple[str, ...]:
   order = _dispatch.GPU_ORDER
   if m < MOSAIC_MIN_M or n % 64:
     return order
-  cfg = mosaic_gpu.heuristics(m, n, k)
-  return ("mosaic_gpu", *order) if mosaic_gpu.covers_half(m, n, cfg.block_n, cfg.splits) else order
+  block_n = mosaic_gpu.heuristics(m, n, k).block_n
+  return ("mosaic_gpu", *order) if mosaic_gpu.tiles(m, n, block_n) >= MOSAIC_MIN_TILES else order
 
 
 def fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array, weight_scale: jax.Array, *,
