@@ -71,6 +71,10 @@ BLOCK_M = 128  # two compute warpgroups of 64 rows (wgmma's M)
 WG_M = 64
 # 128-byte swizzle: one K block of fp8 is 128 bytes per row, the widest TMA/wgmma swizzle.
 _TRANSFORMS = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))
+# A K block's weight-block scales for one tile, padded to 128 bytes: TMA writes each pipeline
+# stage's box to shared memory at a 128-byte aligned address, and the stages of one operand sit
+# back to back (a 16-byte box faulted with CUDA_ERROR_MISALIGNED_ADDRESS on the H200).
+SW_BOX = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +102,6 @@ class Config:
 
 
 PERSISTENT_MAX_K = 2048
-# A K block's weight-block scales for one tile, padded to 128 bytes: TMA writes each pipeline
-# stage's box to shared memory at a 128-byte aligned address, and the stages of one operand sit
-# back to back (a 16-byte box faulted with CUDA_ERROR_MISALIGNED_ADDRESS on the H200).
-SW_BOX = 32
 PERSISTENT_MIN_M = 4096  # measured faster there; below it (K > 2048) persistent is unmeasured
 
 
