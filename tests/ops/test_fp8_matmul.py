@@ -309,6 +309,9 @@ def test_lowers(target, layout, config):
     # Chunks of 64 inside 192-wide tiles: the second tile's chunks start 64 columns into a
     # weight block, each chunk takes one block's scale.
     ((130,), 448, 256, "col", MosaicConfig(192, stages=2, chunks=3)),
+    # K in parts, summed outside: each CTA's pipeline starts at its part's first K block.
+    ((130,), 192, 512, "row", MosaicConfig(64, stages=2, splits=2)),
+    ((2, 65), 320, 768, "col", MosaicConfig(192, stages=2, chunks=3, splits=3)),
 ], ids=str)
 @pytest.mark.parametrize("impl", [MOSAIC_GPU])
 def test_mosaic_gpu(impl, m_shape, n, k, layout, config):
@@ -375,6 +378,11 @@ def test_mosaic_gpu_declines(impl):
     MosaicConfig(256)
   with pytest.raises(ValueError, match="stages"):
     MosaicConfig(128, stages=0)
+  with pytest.raises(ValueError, match="splits"):
+    MosaicConfig(128, persistent=True, splits=2)
+  x, qw, sw = problem(("mosaic_splits",), (3,), 128, 384)
+  with pytest.raises(InputError, match="unequal parts"):  # 3 K blocks in 2 parts
+    fp8_matmul(x, qw, sw, implementation=impl, config=MosaicConfig(64, splits=2))
 
 
 def test_mosaic_gpu_fits_shared_memory():
@@ -392,13 +400,16 @@ def test_mosaic_gpu_fits_shared_memory():
 
 @pytest.mark.lowering
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("persistent,out_dtype", [(False, jnp.bfloat16), (True, jnp.bfloat16),
-                                                  (True, jnp.float32)])
-def test_mosaic_gpu_lowers(target, persistent, out_dtype):
+@pytest.mark.parametrize("persistent,out_dtype,splits", [
+    (False, jnp.bfloat16, 1), (True, jnp.bfloat16, 1), (True, jnp.float32, 1),
+    (False, jnp.bfloat16, 2)])
+def test_mosaic_gpu_lowers(target, persistent, out_dtype, splits):
   # float32: the heuristic's 3 stages fit where 4 did not (test_mosaic_gpu_fits_shared_memory).
   S = jax.ShapeDtypeStruct
   fp8 = jnp.float8_e4m3fn
-  cfg = (MosaicConfig(192, persistent=persistent) if out_dtype == jnp.bfloat16
+  # K in parts stages float32 partials: 64 columns, where 192 would overflow shared memory.
+  cfg = (MosaicConfig(192 if splits == 1 else 64, persistent=persistent, splits=splits)
+         if out_dtype == jnp.bfloat16
          else mosaic_gpu.heuristics(4096, 12288, 4096, out_dtype))
 
   def fn(q, s, w, sw):

@@ -4,7 +4,7 @@ Why a third kernel: the Pallas-Triton lowering emits `tt.dot` without `maxNumImp
 Triton turns its fp8 dot into f16 `mma.sync` (pallas.py); this kernel issues e4m3 x e4m3 wgmma
 through Mosaic GPU directly.
 
-Grid (M / 128, ceil(N / block_n)), three warpgroups per program: one memory warpgroup walks K
+Grid (M / 128, ceil(N / block_n), splits), three warpgroups per program: one memory warpgroup walks K
 in blocks of 128 (the scale granularity) with a pipeline of `stages` TMA copies; two compute
 warpgroups own 64 rows each of the 128 x block_n tile. Per K block, each compute warpgroup:
   1. d = a[64, 128] . w[block_n, 128]^T on the tensor cores (both operands K-major in shared
@@ -28,7 +28,8 @@ Schedules (`Config`): per-tile CTAs, or `persistent`: one CTA per SM loops over 
 each a pipeline over K, the pipeline's buffers allocated once so the memory warpgroup runs
 ahead into the next tile (the store stays out of the step: moving it in cost 1-25% more than
 the refills saved). `chunks = 2` issues the tile's columns as two wgmma groups and rescales
-the first while the second runs.
+the first while the second runs. `splits` (per-tile only) gives each tile that many CTAs, each
+a part of K, storing float32 partials that XLA sums: for a grid of tiles that leaves SMs idle.
 
 H200, profiler kernel time of the whole call, fresh weights per call, pairs from one run:
 - the weight-block scales as scalars (one FMA per value where a chunk lies in one block)
@@ -91,6 +92,9 @@ class Config:
   # The tile's columns in this many wgmma groups: a group's rescale runs while the next
   # group's wgmma is still on the tensor cores.
   chunks: int = 1
+  # K in this many equal parts, one CTA each (per-tile schedule only): float32 partial
+  # products that XLA sums, for a grid of tiles too small to fill the SMs.
+  splits: int = 1
 
   def __post_init__(self):
     if self.block_n not in (64, 128, 192):
@@ -99,6 +103,9 @@ class Config:
       raise ValueError(f"Config.chunks must split block_n into multiples of 32, got {self}")
     if not isinstance(self.stages, int) or self.stages < 1:
       raise ValueError(f"Config.stages must be a positive int, got {self.stages!r}")
+    if not isinstance(self.splits, int) or self.splits < 1 or (self.splits > 1
+                                                                and self.persistent):
+      raise ValueError(f"Config.splits must be a positive int, 1 when persistent, got {self}")
 
 
 PERSISTENT_MAX_K = 2048
@@ -109,7 +116,8 @@ def smem_bytes(cfg: Config, out_dtype) -> int:
   """Shared memory of a CTA: the pipeline's stages (activation and weight blocks, their scales)
   and the two compute warpgroups' output staging, with 1 KiB for the barriers."""
   stage = (BLOCK_M + cfg.block_n) * BLOCK_K + 4 * (BLOCK_M + SW_BOX)
-  return cfg.stages * stage + 2 * WG_M * cfg.block_n * jnp.dtype(out_dtype).itemsize + 1024
+  staged = jnp.dtype(jnp.float32 if cfg.splits > 1 else out_dtype).itemsize
+  return cfg.stages * stage + 2 * WG_M * cfg.block_n * staged + 1024
 
 
 def heuristics(m: int, n: int, k: int, out_dtype=jnp.bfloat16) -> Config:
@@ -170,6 +178,10 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
                       f"{smem_bytes(cfg, out_dtype)} bytes of shared memory, over Hopper's "
                       f"{_target.HOPPER_SMEM_BYTES}: fewer stages or a narrower tile")
   bn, kb = cfg.block_n, k // BLOCK_K
+  if kb % cfg.splits:
+    raise InputError(f"{cfg} splits K = {k} ({kb} blocks of {BLOCK_K}) into unequal parts")
+  kp = kb // cfg.splits  # K blocks per CTA
+  staged = jnp.float32 if cfg.splits > 1 else out_dtype
   cw = bn // cfg.chunks
   mp = -(-m // BLOCK_M) * BLOCK_M
   nt = -(-n // bn)
@@ -187,16 +199,18 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
 
   mt = mp // BLOCK_M
 
-  def pipeline(step, context, mi, ni):
+  def pipeline(step, context, mi, ni, ks=0):
+    b0 = ks * kp
     return plgpu.emit_pipeline_warp_specialized(
-        step, grid=(kb,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+        step, grid=(kp,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
         max_concurrent_steps=cfg.stages, compute_context=context,
-        in_specs=[plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda b: (mi, b), transforms=_TRANSFORMS),
-                  plgpu.BlockSpec((bn, BLOCK_K), lambda b: (ni, b), transforms=_TRANSFORMS),
-                  plgpu.BlockSpec((1, BLOCK_M), lambda b: (b, mi)),
-                  plgpu.BlockSpec((1, 1, SW_BOX), lambda b: (b, ni, 0))])
+        in_specs=[plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda b: (mi, b0 + b),
+                                  transforms=_TRANSFORMS),
+                  plgpu.BlockSpec((bn, BLOCK_K), lambda b: (ni, b0 + b), transforms=_TRANSFORMS),
+                  plgpu.BlockSpec((1, BLOCK_M), lambda b: (b0 + b, mi)),
+                  plgpu.BlockSpec((1, 1, SW_BOX), lambda b: (b0 + b, ni, 0))])
 
-  def tile(mi, ni, refs, o_smem, allocations=None):
+  def tile(mi, ni, refs, o_smem, allocations=None, ks=0):
     a_gmem, sa_gmem, w_gmem, sw_gmem, o_gmem = refs
     wg = lax.axis_index("wg")
     rows = pl.ds(wg * WG_M, WG_M)
@@ -230,20 +244,23 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
       if cfg.persistent:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read o_smem
       for c, part in enumerate(acc):
-        o_smem[wg, :, pl.ds(c * cw, cw)] = part.astype(out_dtype)
+        o_smem[wg, :, pl.ds(c * cw, cw)] = part.astype(staged)
       plgpu.commit_smem()
+      dst = o_gmem.at[ks] if cfg.splits > 1 else o_gmem
       plgpu.copy_smem_to_gmem(
-          o_smem.at[wg], o_gmem.at[pl.ds(mi * BLOCK_M + wg * WG_M, WG_M), pl.ds(ni * bn, bn)])
+          o_smem.at[wg], dst.at[pl.ds(mi * BLOCK_M + wg * WG_M, WG_M), pl.ds(ni * bn, bn)])
       if not cfg.persistent:
         plgpu.wait_smem_to_gmem(0)
 
-    pipeline(step, context, mi, ni)(a_gmem, w_gmem, sa_gmem, sw_gmem, allocations=allocations)
+    pipeline(step, context, mi, ni, ks)(a_gmem, w_gmem, sa_gmem, sw_gmem,
+                                        allocations=allocations)
 
   def kernel(*refs):
     # Allocated by all three warpgroups together (a collective scope), used by the compute two.
-    out_smem = plgpu.SMEM((2, WG_M, bn), out_dtype)
+    out_smem = plgpu.SMEM((2, WG_M, bn), staged)
     if not cfg.persistent:
-      pl.run_scoped(lambda o_smem: tile(lax.axis_index("m"), lax.axis_index("n"), refs, o_smem),
+      pl.run_scoped(lambda o_smem: tile(lax.axis_index("m"), lax.axis_index("n"), refs, o_smem,
+                                        ks=lax.axis_index("k") if cfg.splits > 1 else 0),
                     out_smem, collective_axes="wg")
     else:
       # The pipeline's buffers outlive the tiles: the memory warpgroup starts copying the next
@@ -261,11 +278,17 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
 
       pl.run_scoped(scope, allocs, out_smem, collective_axes="wg")
 
-  grid, names = (((mt, nt), ("m", "n")) if not cfg.persistent
-                 else ((min(mt * nt, _target.sm_count()),), ("c",)))
+  if cfg.persistent:
+    grid, names = (min(mt * nt, _target.sm_count()),), ("c",)
+  else:
+    grid, names = ((mt, nt, cfg.splits), ("m", "n", "k")) if cfg.splits > 1 else ((mt, nt),
+                                                                                 ("m", "n"))
+  out_shape = (cfg.splits, mp, n) if cfg.splits > 1 else (mp, n)
   out = plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((mp, n), out_dtype), grid=grid, grid_names=names,
+      kernel, out_type=jax.ShapeDtypeStruct(out_shape, staged), grid=grid, grid_names=names,
       num_threads=3, thread_name="wg",
       interpret=plgpu.InterpretGPUParams() if _target.interpret() else False,
   )(qa, sa_col, qw, sw_tiles)
+  if cfg.splits > 1:
+    out = out.sum(0).astype(out_dtype)
   return out[:m] if mp != m else out
