@@ -358,6 +358,9 @@ def test_mosaic_gpu_heuristics():
   assert pick(4096, 12288, 4096) == MosaicConfig(192, persistent=True, chunks=2)
   assert pick(4096, 7168, 16384) == MosaicConfig(128, persistent=True, chunks=1)
   assert pick(256, 12288, 4096) == MosaicConfig(192, chunks=3)  # per tile: chunks of 64
+  # 2 x 33 tiles of 128 x 64, half of 132 SMs: K in two parts.
+  assert pick(256, 2112, 7168) == MosaicConfig(64, splits=2)
+  assert pick(256, 7168, 16384).splits == 1  # 2 x 56 tiles of 128 x 128
 
 
 @pytest.mark.parametrize("impl", [MOSAIC_GPU])

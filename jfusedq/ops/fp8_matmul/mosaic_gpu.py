@@ -72,10 +72,12 @@ BLOCK_M = 128  # two compute warpgroups of 64 rows (wgmma's M)
 WG_M = 64
 # 128-byte swizzle: one K block of fp8 is 128 bytes per row, the widest TMA/wgmma swizzle.
 _TRANSFORMS = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))
-# A K block's weight-block scales for one tile, padded to 128 bytes: TMA writes each pipeline
-# stage's box to shared memory at a 128-byte aligned address, and the stages of one operand sit
-# back to back (a 16-byte box faulted with CUDA_ERROR_MISALIGNED_ADDRESS on the H200).
-SW_BOX = 32
+# The weight-block scales reach shared memory by TMA straight from the caller's sw [NB, KB]:
+# per K block, the two weight blocks a tile can touch x SW_BOX K blocks, one 128-byte box. TMA
+# needs a box row of 16 bytes or more and each pipeline stage's box at a 128-byte aligned
+# address, while the stages of one operand sit back to back (a 16-byte box faulted with
+# CUDA_ERROR_MISALIGNED_ADDRESS on the H200); its 16-byte row stride needs KB % 4 == 0.
+SW_BOX = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +117,7 @@ PERSISTENT_MIN_M = 4096  # measured faster there; below it (K > 2048) persistent
 def smem_bytes(cfg: Config, out_dtype) -> int:
   """Shared memory of a CTA: the pipeline's stages (activation and weight blocks, their scales)
   and the two compute warpgroups' output staging, with 1 KiB for the barriers."""
-  stage = (BLOCK_M + cfg.block_n) * BLOCK_K + 4 * (BLOCK_M + SW_BOX)
+  stage = (BLOCK_M + cfg.block_n) * BLOCK_K + 4 * (BLOCK_M + 2 * SW_BOX)
   staged = jnp.dtype(jnp.float32 if cfg.splits > 1 else out_dtype).itemsize
   return cfg.stages * stage + 2 * WG_M * cfg.block_n * staged + 1024
 
@@ -124,19 +126,23 @@ def heuristics(m: int, n: int, k: int, out_dtype=jnp.bfloat16) -> Config:
   """The widest tile dividing N (fewer weight tiles re-read per activation tile) whose tiles
   cover half the SMs, else the narrowest; 4 stages; persistent where K is short or M is at
   least PERSISTENT_MIN_M; a 192-wide tile in two chunks when persistent, else in three (module
-  docstring); 3 stages where 4 do not fit the shared memory beside the output staging (a
-  float32 output at 192).
+  docstring); K in two parts where the tiles number at most half the SMs; 3 stages where 4 do
+  not fit the shared memory beside the output staging (a float32 output at 192).
 
   From the H200 sweeps: at M = 4096 192 columns ran fastest wherever N allows; at M = 256,
   where 2 row tiles leave few column tiles, 64 columns took 24.8 us against 47.0 for 192 at
   (N, K) = (2112, 7168) (66 tiles against 22) and 29.5 against 42.0 for 128 at (4096, 8192)
-  (128 against 64).
+  (128 against 64); K in two parts, at M = 256: 17.7 against 22.4 us at (2112, 7168) (66 tiles;
+  20.7 in four parts), 17.6 against 22.3 at (2048, 7168), 83.8 against 71.3 at (7168, 16384)
+  (112 tiles), 35.4 against 26.6 at (4096, 8192) (128 tiles).
   """
   widths = [bn for bn in (192, 128, 64) if n % bn == 0] or [64]  # N % 64: `check` declines
   block_n = next((bn for bn in widths if covers_half(m, n, bn)), widths[-1])
   persistent = k <= PERSISTENT_MAX_K or m >= PERSISTENT_MIN_M
   chunks = (2 if persistent else 3) if block_n == 192 else 1
-  cfg = Config(block_n, persistent=persistent, chunks=chunks)
+  few = 2 * tiles(m, n, block_n) <= _target.sm_count()
+  splits = 2 if few and not persistent and (k // BLOCK_K) % 2 == 0 else 1
+  cfg = Config(block_n, persistent=persistent, chunks=chunks, splits=splits)
   while smem_bytes(cfg, out_dtype) > _target.HOPPER_SMEM_BYTES and cfg.stages > 1:
     cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
   return cfg
@@ -184,20 +190,13 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   staged = jnp.float32 if cfg.splits > 1 else out_dtype
   cw = bn // cfg.chunks
   mp = -(-m // BLOCK_M) * BLOCK_M
-  nt = -(-n // bn)
+  mt, nt = mp // BLOCK_M, -(-n // bn)
   sa_col = sa if a_layout == "col" else sa.T
   if mp != m:
     qa = jnp.pad(qa, ((0, mp - m), (0, 0)))
     sa_col = jnp.pad(sa_col, ((0, 0), (0, mp - m)))
-  # Per K block and tile, the scales of the (at most two) weight blocks the tile's columns fall
-  # in, padded to one TMA box of SW_BOX: [KB, tiles, SW_BOX]. The last tile's weight rows past N
-  # arrive as zeros (TMA fills them), whatever their scale.
-  first = np.arange(nt) * bn // BLOCK
-  sw_t = sw.T
-  sw_tiles = jnp.stack([sw_t[:, first], sw_t[:, np.minimum(first + 1, sw.shape[0] - 1)]], -1)
-  sw_tiles = jnp.pad(sw_tiles, ((0, 0), (0, 0), (0, SW_BOX - 2)))
-
-  mt = mp // BLOCK_M
+  if kb % 4:
+    sw = jnp.pad(sw, ((0, 0), (0, 4 - kb % 4)))
 
   def pipeline(step, context, mi, ni, ks=0):
     b0 = ks * kp
@@ -208,19 +207,22 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
                                   transforms=_TRANSFORMS),
                   plgpu.BlockSpec((bn, BLOCK_K), lambda b: (ni, b0 + b), transforms=_TRANSFORMS),
                   plgpu.BlockSpec((1, BLOCK_M), lambda b: (b0 + b, mi)),
-                  plgpu.BlockSpec((1, 1, SW_BOX), lambda b: (b0 + b, ni, 0))])
+                  # Element offset: the tile's first weight block, whatever the tile's width.
+                  plgpu.BlockSpec((pl.Element(2), SW_BOX),
+                                  lambda b: (ni * bn // BLOCK, (b0 + b) // SW_BOX))])
 
   def tile(mi, ni, refs, o_smem, allocations=None, ks=0):
     a_gmem, sa_gmem, w_gmem, sw_gmem, o_gmem = refs
     wg = lax.axis_index("wg")
     rows = pl.ds(wg * WG_M, WG_M)
 
-    def step(_, a_smem, w_smem, sa_smem, sw_smem, acc):
+    def step(idx, a_smem, w_smem, sa_smem, sw_smem, acc):
+      kg = ks * kp + idx[0]  # the K block
       def mma(*d_refs):
         for c, d_ref in enumerate(d_refs):
           plgpu.wgmma(d_ref, a_smem.at[rows], w_smem.at[pl.ds(c * cw, cw)].transpose((1, 0)))
         s_a = plgpu.load(sa_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-        s0, s1 = sw_smem[0, 0, 0], sw_smem[0, 0, 1]
+        s0, s1 = sw_smem[0, kg % SW_BOX], sw_smem[1, kg % SW_BOX]
         out = []
         for c, d_ref in enumerate(d_refs):
           plgpu.wgmma_wait(cfg.chunks - 1 - c)
@@ -288,7 +290,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
       kernel, out_type=jax.ShapeDtypeStruct(out_shape, staged), grid=grid, grid_names=names,
       num_threads=3, thread_name="wg",
       interpret=plgpu.InterpretGPUParams() if _target.interpret() else False,
-  )(qa, sa_col, qw, sw_tiles)
+  )(qa, sa_col, qw, sw)
   if cfg.splits > 1:
     out = out.sum(0).astype(out_dtype)
   return out[:m] if mp != m else out
