@@ -97,6 +97,8 @@ def prefill_grid(rows: list[dict]) -> list[str]:
     if d is not None:
       cell[d["case"]["M"], (d["case"]["N"], d["case"]["K"])] = (
           f"{ratio(by_impl.get('cublas_blockwise'), d)} / {ratio(by_impl.get('xla_bf16'), d)}")
+  if not cell:  # a run without the default (a comparison run in parts): no grid
+    return []
   lines = ["The default's speed-up over cuBLAS / over XLA's bf16 dot:", "",
            "| M | " + " | ".join(f"({n}, {k})" for n, k in nks) + " |",
            "|---|" + "---|" * len(nks)]
@@ -274,7 +276,8 @@ def performance_page(docs: dict[str, dict]) -> str:
               + (f" {doc['note']}" if doc.get("note") else ""), ""]
     for rows in runs(doc):
       lines += table(name, doc, rows) + [""]
-      lines += spec.grid(rows) + [""] if spec.grid else []
+      grid = spec.grid(rows) if spec.grid else []
+      lines += grid + [""] if grid else []
   lines += [f"{FAILED}: the row's correctness check failed; it gives no ratio.", "", END]
   return "\n".join(wrap(lines))
 

@@ -4,8 +4,8 @@ Why a third kernel: the Pallas-Triton lowering emits `tt.dot` without `maxNumImp
 Triton turns its fp8 dot into f16 `mma.sync` (pallas.py); this kernel issues e4m3 x e4m3 wgmma
 through Mosaic GPU directly.
 
-Grid (M / 128, ceil(N / block_n), splits), three warpgroups per program: one memory warpgroup walks K
-in blocks of 128 (the scale granularity) with a pipeline of `stages` TMA copies; two compute
+Grid (M / 128, ceil(N / block_n), splits), three warpgroups per program: one memory warpgroup
+walks K in blocks of 128 (the scale granularity) with a pipeline of `stages` TMA copies; two compute
 warpgroups own 64 rows each of the 128 x block_n tile. Per K block, each compute warpgroup:
   1. d = a[64, 128] . w[block_n, 128]^T on the tensor cores (both operands K-major in shared
      memory, as fp8 wgmma requires), into a fresh f32 accumulator;
@@ -13,7 +13,7 @@ warpgroups own 64 rows each of the 128 x block_n tile. Per K block, each compute
      scale of the weight block the wgmma group's columns lie in), one FMA per value; a group
      whose columns cross a weight block's edge (a 192-wide tile in one or two groups) takes a
      per-column scale, d * s_a[:, None] * s_w[None, :]. The memory warpgroup copies the two
-     weight-block scales a tile can touch, per K block, as one 128-byte TMA box.
+     weight-block scales a tile can touch, per K block, in one 128-byte TMA box (SW_BOX).
 Scaling per block keeps the accumulation in f32 (Hopper's fp8 MMA accumulates with reduced
 precision inside one instruction chain). The two compute warpgroups drift apart, so one's
 rescale overlaps the other's wgmma, and the memory warpgroup keeps the copies ahead of both
@@ -46,9 +46,12 @@ H200, profiler kernel time of the whole call, fresh weights per call, pairs from
   them out first) ran 0.93-1.29x the time (435.9 against 367.7 us at (12288, 4096),
   M = 4096): their latency lands on the rescale;
 - a 2-CTA cluster multicasting the weight block to both CTAs measured within 1% of the same
-  schedule without it (the L2 is not what bounds the kernel).
-At M = 4096 it runs 991-1118 TFLOP/s over the seven projection and expert shapes, 0.79-0.88x
-cuBLAS's blockwise FP8 GEMM timed in the same run (benchmarks/README.md).
+  schedule without it (the L2 is not what bounds the kernel);
+- K in two parts where 2 x 33 tiles leave half the SMs idle: 17.7 against 22.4 us at
+  (2112, 7168), M = 256 (heuristics).
+At M = 4096 it runs 996-1147 TFLOP/s over the seven projection and expert shapes, 0.85-0.87x
+cuBLAS's blockwise FP8 GEMM timed in the same run; at M = 256 1.37-1.38x where K is split
+(benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -57,7 +60,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
