@@ -312,6 +312,9 @@ def test_lowers(target, layout, config):
     # K in parts, summed outside: each CTA's pipeline starts at its part's first K block.
     ((130,), 192, 512, "row", MosaicConfig(64, stages=2, splits=2)),
     ((2, 65), 320, 768, "col", MosaicConfig(192, stages=2, chunks=3, splits=3)),
+    # 18 K blocks (two weight-scale boxes of 16, the second partly past the array, padded to
+    # 20 for TMA's 16-byte row stride); the second part's K blocks cross from one box to the next.
+    ((64,), 192, 2304, "row", MosaicConfig(64, stages=2, splits=2)),
 ], ids=str)
 @pytest.mark.parametrize("impl", [MOSAIC_GPU])
 def test_mosaic_gpu(impl, m_shape, n, k, layout, config):
