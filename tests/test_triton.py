@@ -3,6 +3,7 @@ error an explicit implementation="triton" gives where it cannot run, every kerne
 XLA's Triton custom call for sm90, gfx942 and gfx950 (its TTIR read by XLA's own Triton
 dialect), and every kernel compiled ahead of time for those targets by the installed Triton."""
 
+import collections
 import re
 
 import jax
@@ -169,6 +170,33 @@ def test_row_kernels_compile(monkeypatch, target):
   assert len(calls) == 4
   for call in calls:
     compile_call(target, call)
+
+
+def global_accesses(ptx: str) -> collections.Counter:
+  return collections.Counter(re.findall(r"(?:ld|st)\.global[.\w]*", ptx))
+
+
+@pytest.mark.lowering
+def test_kernels_do_not_depend_on_argument_alignment(monkeypatch):
+  # The kernels mark their addresses 16-byte aligned themselves (_triton.aligned): built with
+  # the arguments' alignment left out, a kernel keeps its 16-byte loads and stores and its
+  # shared memory; unmarked, the norm's residual store took an 8 KB layout conversion and the
+  # GEMM stored its tile 2 bytes at a time.
+  triton = pytest.importorskip("triton")
+  from triton.backends.compiler import GPUTarget
+  calls = recorded_calls(monkeypatch, "h200", [*row_ops(), *matmul_ops(Fp8Format.e4m3fn())])
+  gpu = GPUTarget("cuda", AOT["h200"][2], AOT["h200"][3])
+  for kernel, args, out_shape, num_warps, num_stages, constexprs in calls:
+    outs = out_shape if isinstance(out_shape, (list, tuple)) else [out_shape]
+    src = _triton.source(kernel, *_triton.signature(kernel, args, outs, constexprs))
+    builds = []
+    for attrs in (src.attrs, {}):
+      src.attrs = attrs
+      builds.append(triton.compile(src, target=gpu, options=dict(num_warps=num_warps,
+                                                                 num_stages=num_stages)))
+    aligned, unknown = builds
+    assert unknown.metadata.shared == aligned.metadata.shared, kernel.__name__
+    assert global_accesses(unknown.asm["ptx"]) == global_accesses(aligned.asm["ptx"])
 
 
 @pytest.mark.lowering
