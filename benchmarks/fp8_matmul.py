@@ -48,6 +48,7 @@ Run: python benchmarks/fp8_matmul.py [--ms 1 4096 ...] [--nks NxK ...] [--extra 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -65,7 +66,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _harness  # noqa: E402
-from jfusedq import Unsupported, default_format, fp8_matmul, group_quant  # noqa: E402
+from jfusedq import Unsupported, _target, default_format, fp8_matmul, group_quant  # noqa: E402
 from jfusedq.nn import quantize_weight  # noqa: E402
 from jfusedq.ops.fp8_matmul import mosaic_gpu as mm_mosaic  # noqa: E402
 from jfusedq.ops.fp8_matmul import pallas as mm_pallas  # noqa: E402
@@ -153,14 +154,24 @@ def sweep_configs(impl: str, m: int, n: int, k: int) -> list:
   """The heuristic's pick and its neighbours: tile width, K split, warps, stages; for Mosaic GPU
   also the schedule and the wgmma chunks."""
   h = HEURISTICS[impl](m, n, k)
-  if impl == "mosaic_gpu":  # tile widths dividing N; 2 to 4 TMA stages (192 x 5 overflows SMEM)
+  if impl == "mosaic_gpu":
+    # Tile widths dividing N, 2 to 6 TMA stages (as many as fit beside the output staging),
+    # both schedules at every width (a persistent 64-wide grid of 2 tiles an SM against a
+    # 128-wide one just over a wave); the wgmma in column chunks (192: 96 or 64 a chunk, 128:
+    # 64); K in 2 or 4 parts at the heuristic's width.
+    fits = lambda c: mm_mosaic.smem_bytes(c, jnp.bfloat16) <= _target.HOPPER_SMEM_BYTES
     cands = [mm_mosaic.Config(bn, st) for bn in (64, 128, 192) if n % bn == 0
-             for st in (2, 3, 4)]
-    cands += [mm_mosaic.Config(h.block_n, st, persistent=True) for st in (3, 4)]
-    # Both schedules with the wgmma in two column chunks (192 and 128 wide: 96 / 64 a chunk).
-    cands += [mm_mosaic.Config(bn, 4, persistent=p, chunks=2) for bn in (128, 192)
-              if n % bn == 0 for p in (False, True)]
-    return [h] + [c for c in dict.fromkeys(cands) if c != h]
+             for st in range(2, 7)]
+    cands += [mm_mosaic.Config(h.block_n, st, persistent=True) for st in range(3, 7)]
+    cands += [mm_mosaic.Config(bn, 4, persistent=True) for bn in (64, 128, 192) if n % bn == 0]
+    cands += [mm_mosaic.Config(bn, 4, persistent=p, chunks=c) for bn, c in
+              ((128, 2), (192, 2), (192, 3)) if n % bn == 0 for p in (False, True)]
+    for sp in (2, 4):  # float32 partials staged: the most stages that fit
+      c = mm_mosaic.Config(h.block_n, 4, chunks=3 if h.block_n == 192 else 1, splits=sp)
+      while not fits(c) and c.stages > 2:
+        c = dataclasses.replace(c, stages=c.stages - 1)
+      cands += [c] if (k // mm_mosaic.BLOCK_K) % sp == 0 else []
+    return [h] + [c for c in dict.fromkeys(cands) if c != h and fits(c)]
   kb = -(-k // mm_pallas.BLOCK_K)
   if m <= 64:
     # Half the splits too: their f32 partials were the suspect for M = 64 taking 10-40% longer
