@@ -293,11 +293,11 @@ def test_lowers(target, layout, config):
 # Mosaic GPU (Hopper wgmma) kernel: run by the GPU interpreter on CPU, lowered for the H200.
 # Outside the shared suite: it takes K % 128 == 0 and N % 64 == 0 only (helpers.MOSAIC_GPU).
 # Every tile width the heuristic picks (192, 128, 64), persistent or not, one to three wgmma
-# chunks, a ragged
-# last tile (N = 320 in tiles of 128: the weight's rows past N arrive as zeros, the store
-# clips), padded M, both layouts.
+# chunks, a ragged last tile (N = 320 in tiles of 128: the weight's rows past N arrive as
+# zeros, the store clips), M short of its last 128-row tile (the same, for rows), M padded to
+# 8, both layouts.
 @pytest.mark.parametrize("m_shape,n,k,layout,config", [
-    ((1,), 128, 256, "row", None),  # decode row, padded to a 128-row tile
+    ((1,), 128, 256, "row", None),  # decode row, padded to 8 rows of a 128-row tile
     ((100,), 192, 384, "col", None),
     ((2, 65), 320, 256, "row", MosaicConfig(128, stages=2)),
     ((64,), 192, 512, "col", MosaicConfig(64, stages=1)),
@@ -429,6 +429,20 @@ def test_mosaic_gpu_lowers(target, persistent, out_dtype, splits):
       lower(target, fn, *args)
     return
   assert "mosaic_gpu" in lower(target, fn, *args)
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("m,copies", [(1000, False), (1001, True)])
+def test_mosaic_gpu_copies_no_rows(m, copies):
+  # Rows past M come in as TMA's zeros and leave clipped by its stores: a prefill of any M
+  # divisible by 8 runs with no padded copy of the activation or slice of the output.
+  S = jax.ShapeDtypeStruct
+  fp8 = jnp.float8_e4m3fn
+  fn = lambda q, s, w, sw: fp8_matmul(QuantizedActivation(q, s, layout="col"), w, sw,
+                                      implementation="mosaic_gpu")
+  text = lower("h200", fn, S((m, 1536), fp8), S((12, m), jnp.float32), S((2112, 1536), fp8),
+               S((17, 12), jnp.float32))
+  assert ("stablehlo.pad" in text) == copies and ("stablehlo.slice" in text) == copies
 
 
 @pytest.mark.parametrize("m,n,k,first", [

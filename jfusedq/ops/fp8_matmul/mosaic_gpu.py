@@ -21,8 +21,8 @@ rescale overlaps the other's wgmma, and the memory warpgroup keeps the copies ah
 0.48-0.85x XLA's bf16 dot at M = 4096). The epilogue goes registers -> shared -> TMA store,
 which clips the columns past N.
 
-Shapes: K a multiple of 128, N of 64; M is padded to 128 by the caller's XLA (a copy of the
-activation, small next to the weight at the M this kernel is for).
+Shapes: K a multiple of 128, N of 64; M padded to a multiple of 8 by XLA (a copy of the
+activation and the output) only where it is not one.
 
 Schedules (`Config`): per-tile CTAs, or `persistent`: one CTA per SM loops over its tiles,
 each a pipeline over K, the pipeline's buffers allocated once so the memory warpgroup runs
@@ -73,7 +73,8 @@ BLOCK_K = BLOCK
 BLOCK_M = 128  # two compute warpgroups of 64 rows (wgmma's M)
 WG_M = 64
 # 128-byte swizzle: one K block of fp8 is 128 bytes per row, the widest TMA/wgmma swizzle.
-_TRANSFORMS = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))
+ROW_TILE = 8
+_TRANSFORMS = (plgpu.TilingTransform((ROW_TILE, BLOCK_K)), plgpu.SwizzleTransform(128))
 # The weight-block scales reach shared memory by TMA straight from the caller's sw [NB, KB]:
 # per K block, the two weight blocks a tile can touch x SW_BOX K blocks, one 128-byte box. TMA
 # needs a box row of 16 bytes or more and each pipeline stage's box at a 128-byte aligned
@@ -191,8 +192,11 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   kp = kb // cfg.splits  # K blocks per CTA
   staged = jnp.float32 if cfg.splits > 1 else out_dtype
   cw = bn // cfg.chunks
-  mp = -(-m // BLOCK_M) * BLOCK_M
-  mt, nt = mp // BLOCK_M, -(-n // bn)
+  # Rows past M arrive as zeros and the stores clip them (TMA, as for the columns past N), so M
+  # is padded only to the 8-row tiling of the activation's shared-memory layout, which TMA
+  # needs the array's rows to divide: no copy of the activation or the output where M % 8 == 0.
+  mp = -(-m // ROW_TILE) * ROW_TILE
+  mt, nt = -(-m // BLOCK_M), -(-n // bn)
   sa_col = sa if a_layout == "col" else sa.T
   if mp != m:
     qa = jnp.pad(qa, ((0, mp - m), (0, 0)))
