@@ -5,8 +5,8 @@ Triton turns its fp8 dot into f16 `mma.sync` (pallas.py); this kernel issues e4m
 through Mosaic GPU directly.
 
 Grid (M / 128, ceil(N / block_n), splits), three warpgroups per program: one memory warpgroup
-walks K in blocks of 128 (the scale granularity) with a pipeline of `stages` TMA copies; two compute
-warpgroups own 64 rows each of the 128 x block_n tile. Per K block, each compute warpgroup:
+walks K in blocks of 128 (the scale granularity) with a pipeline of `stages` TMA copies; two
+compute warpgroups own 64 rows each of the 128 x block_n tile. Per K block, each compute warpgroup:
   1. d = a[64, 128] . w[block_n, 128]^T on the tensor cores (both operands K-major in shared
      memory, as fp8 wgmma requires), into a fresh f32 accumulator;
   2. acc += d * (s_a * s_w)[:, None] in registers (s_a: the rows' activation scales, s_w: the
