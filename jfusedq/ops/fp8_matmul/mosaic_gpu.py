@@ -204,8 +204,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   if kb % 4:
     sw = jnp.pad(sw, ((0, 0), (0, 4 - kb % 4)))
 
-  def pipeline(step, context, mi, ni, ks=0):
-    b0 = ks * kp
+  def pipeline(step, context, mi, ni, b0=0):  # b0: the CTA's first K block
     return plgpu.emit_pipeline_warp_specialized(
         step, grid=(kp,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
         max_concurrent_steps=cfg.stages, compute_context=context,
@@ -219,11 +218,12 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
 
   def tile(mi, ni, refs, o_smem, allocations=None, ks=0):
     a_gmem, sa_gmem, w_gmem, sw_gmem, o_gmem = refs
+    b0 = ks * kp
     wg = lax.axis_index("wg")
     rows = pl.ds(wg * WG_M, WG_M)
 
     def step(idx, a_smem, w_smem, sa_smem, sw_smem, acc):
-      kg = ks * kp + idx[0]  # the K block
+      kg = b0 + idx[0]  # the K block
       def mma(*d_refs):
         for c, d_ref in enumerate(d_refs):
           plgpu.wgmma(d_ref, a_smem.at[rows], w_smem.at[pl.ds(c * cw, cw)].transpose((1, 0)))
@@ -260,7 +260,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
       if not cfg.persistent:
         plgpu.wait_smem_to_gmem(0)
 
-    pipeline(step, context, mi, ni, ks)(a_gmem, w_gmem, sa_gmem, sw_gmem,
+    pipeline(step, context, mi, ni, b0)(a_gmem, w_gmem, sa_gmem, sw_gmem,
                                         allocations=allocations)
 
   def kernel(*refs):
