@@ -100,6 +100,9 @@ class Config:
   # K in this many equal parts, one CTA each (per-tile schedule only): float32 partial
   # products that XLA sums, for a grid of tiles too small to fill the SMs.
   splits: int = 1
+  # Each K block's rescale deferred to the next step, where it runs while that block's wgmma
+  # is on the tensor cores: a third block_n / 2-register accumulator, so block_n <= 128.
+  defer: bool = False
 
   def __post_init__(self):
     if self.block_n not in (64, 128, 192):
@@ -111,6 +114,8 @@ class Config:
     if not isinstance(self.splits, int) or self.splits < 1 or (self.splits > 1
                                                                 and self.persistent):
       raise ValueError(f"Config.splits must be a positive int, 1 when persistent, got {self}")
+    if self.defer and self.block_n > 128:
+      raise ValueError(f"Config.defer holds three accumulators: block_n <= 128, got {self}")
 
 
 PERSISTENT_MAX_K = 2048
@@ -222,13 +227,22 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
     wg = lax.axis_index("wg")
     rows = pl.ds(wg * WG_M, WG_M)
 
-    def step(idx, a_smem, w_smem, sa_smem, sw_smem, acc):
+    def step(idx, a_smem, w_smem, sa_smem, sw_smem, carry):
       kg = b0 + idx[0]  # the K block
+      # Deferred: carry = (sums, the last block's products, their row scales).
+      acc, last, last_scale = carry if cfg.defer else (carry, None, None)
+
       def mma(*d_refs):
         for c, d_ref in enumerate(d_refs):
           plgpu.wgmma(d_ref, a_smem.at[rows], w_smem.at[pl.ds(c * cw, cw)].transpose((1, 0)))
         s_a = plgpu.load(sa_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
         s0, s1 = sw_smem[0, kg % SW_BOX], sw_smem[1, kg % SW_BOX]
+        if cfg.defer:  # every chunk in one weight block (block_n <= 128)
+          sums = tuple(a + d * s[:, None] for a, d, s in zip(acc, last, last_scale))
+          plgpu.wgmma_wait(0)
+          lo = (ni * bn) % BLOCK
+          scales = tuple(s_a * jnp.where(lo + c * cw < BLOCK, s0, s1) for c in range(cfg.chunks))
+          return sums, tuple(d_ref[...] for d_ref in d_refs), scales
         out = []
         for c, d_ref in enumerate(d_refs):
           plgpu.wgmma_wait(cfg.chunks - 1 - c)
@@ -248,7 +262,13 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
 
     def context(run):
       zero = plgpu.layout_cast(jnp.zeros((WG_M, cw), jnp.float32), plgpu.Layout.WGMMA)
-      acc = run((zero,) * cfg.chunks)
+      if cfg.defer:
+        none = plgpu.layout_cast(jnp.zeros((WG_M,), jnp.float32),
+                                 plgpu.Layout.WGMMA.reduce(1))
+        acc, last, scale = run(((zero,) * cfg.chunks,) * 2 + ((none,) * cfg.chunks,))
+        acc = tuple(a + d * s[:, None] for a, d, s in zip(acc, last, scale))
+      else:
+        acc = run((zero,) * cfg.chunks)
       if cfg.persistent:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read o_smem
       for c, part in enumerate(acc):
