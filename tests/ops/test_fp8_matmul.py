@@ -2,8 +2,6 @@
 matmul of the dequantised operands; input kinds, odd shapes, every heuristic config, the Mosaic
 GPU kernel, errors, lowering."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -317,9 +315,6 @@ def test_lowers(target, layout, config):
     # 18 K blocks (two weight-scale boxes of 16, the second partly past the array, padded to
     # 20 for TMA's 16-byte row stride); the second part's K blocks cross from one box to the next.
     ((64,), 192, 2304, "row", MosaicConfig(64, stages=2, splits=2)),
-    # Each K block's rescale deferred to the next step (and the last one's after the loop).
-    ((2, 65), 320, 512, "col", MosaicConfig(128, stages=2, defer=True)),
-    ((64,), 192, 384, "row", MosaicConfig(64, stages=3, chunks=2, defer=True)),
 ], ids=str)
 @pytest.mark.parametrize("impl", [MOSAIC_GPU])
 def test_mosaic_gpu(impl, m_shape, n, k, layout, config):
@@ -339,7 +334,6 @@ def test_mosaic_gpu(impl, m_shape, n, k, layout, config):
     (130, 192, 256, "col", MosaicConfig(64, stages=3, persistent=True)),  # 6 tiles on 4 CTAs
     (300, 384, 256, "row", MosaicConfig(192, stages=2, persistent=True, chunks=2)),
     (300, 576, 256, "col", MosaicConfig(192, stages=2, persistent=True, chunks=3)),
-    (300, 320, 384, "row", MosaicConfig(128, stages=2, persistent=True, defer=True)),
 ], ids=str)
 @pytest.mark.parametrize("impl", [MOSAIC_GPU])
 def test_mosaic_gpu_persistent(monkeypatch, impl, m, n, k, layout, config):
@@ -350,20 +344,6 @@ def test_mosaic_gpu_persistent(monkeypatch, impl, m, n, k, layout, config):
   qa = group_quant(x, layout=layout, implementation="xla")
   assert_close(fp8_matmul(qa, qw, sw, implementation=impl, config=config),
                fp8_matmul(qa, qw, sw, implementation="xla"))
-
-
-@pytest.mark.parametrize("m,n,k,config", [
-    (130, 320, 640, MosaicConfig(128, stages=2)),
-    (300, 192, 384, MosaicConfig(64, stages=2, persistent=True, chunks=2)),
-], ids=str)
-@pytest.mark.parametrize("impl", [MOSAIC_GPU])
-def test_mosaic_gpu_defer_changes_no_bit(monkeypatch, impl, m, n, k, config):
-  # Deferring a K block's rescale moves it in time, not in order: the same sums, bit for bit.
-  monkeypatch.setattr("jfusedq._target.sm_count", lambda device_kind=None: 4)
-  x, qw, sw = problem(("mosaic_defer", m, n, k), (m,), n, k)
-  qa = group_quant(x, implementation="xla")
-  run = lambda cfg: np.asarray(fp8_matmul(qa, qw, sw, implementation=impl, config=cfg))
-  assert run(config).tobytes() == run(dataclasses.replace(config, defer=True)).tobytes()
 
 
 def test_mosaic_gpu_heuristics():
@@ -406,8 +386,6 @@ def test_mosaic_gpu_declines(impl):
     MosaicConfig(128, stages=0)
   with pytest.raises(ValueError, match="splits"):
     MosaicConfig(128, persistent=True, splits=2)
-  with pytest.raises(ValueError, match="defer"):
-    MosaicConfig(192, chunks=3, defer=True)
   x, qw, sw = problem(("mosaic_splits",), (3,), 128, 384)
   with pytest.raises(InputError, match="unequal parts"):  # 3 K blocks in 2 parts
     fp8_matmul(x, qw, sw, implementation=impl, config=MosaicConfig(64, splits=2))
@@ -428,18 +406,15 @@ def test_mosaic_gpu_fits_shared_memory():
 
 @pytest.mark.lowering
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("persistent,out_dtype,splits,defer", [
-    (False, jnp.bfloat16, 1, False), (True, jnp.bfloat16, 1, False),
-    (True, jnp.float32, 1, False), (False, jnp.bfloat16, 2, False),
-    (True, jnp.bfloat16, 1, True), (False, jnp.bfloat16, 2, True)])
-def test_mosaic_gpu_lowers(target, persistent, out_dtype, splits, defer):
+@pytest.mark.parametrize("persistent,out_dtype,splits", [
+    (False, jnp.bfloat16, 1), (True, jnp.bfloat16, 1), (True, jnp.float32, 1),
+    (False, jnp.bfloat16, 2)])
+def test_mosaic_gpu_lowers(target, persistent, out_dtype, splits):
   # float32: the heuristic's 3 stages fit where 4 did not (test_mosaic_gpu_fits_shared_memory).
   S = jax.ShapeDtypeStruct
   fp8 = jnp.float8_e4m3fn
-  # K in parts stages float32 partials: 64 columns, where 192 would overflow shared memory;
-  # the deferred rescale takes 128 or fewer.
-  bn = 192 if splits == 1 and not defer else 64
-  cfg = (MosaicConfig(bn, persistent=persistent, splits=splits, defer=defer)
+  # K in parts stages float32 partials: 64 columns, where 192 would overflow shared memory.
+  cfg = (MosaicConfig(192 if splits == 1 else 64, persistent=persistent, splits=splits)
          if out_dtype == jnp.bfloat16
          else mosaic_gpu.heuristics(4096, 12288, 4096, out_dtype))
 

@@ -48,7 +48,17 @@ H200, profiler kernel time of the whole call, fresh weights per call, pairs from
 - a 2-CTA cluster multicasting the weight block to both CTAs measured within 1% of the same
   schedule without it (the L2 is not what bounds the kernel);
 - K in two parts where 2 x 33 tiles leave half the SMs idle: 17.7 against 22.4 us at
-  (2112, 7168), M = 256 (heuristics).
+  (2112, 7168), M = 256 (heuristics);
+- each K block's rescale deferred to the next step, to run beside that block's wgmma (a third
+  accumulator, so 128 columns at most): 910.8 against 833.2 us at (7168, 16384), M = 4096
+  (persistent, 4 stages), 296.9 against 247.6 at M = 1024 (per tile);
+- at (7168, 16384), M = 4096, the other 24 configs of a sweep all ran slower than the
+  heuristic's pick (836.8 us): 3 stages 859.5, 5 stages 868.5, per tile 903.8, two chunks
+  930.3, K in two parts 1087.6, 64 columns 1213.9 or more.
+Under Nsight Compute at that shape the tensor pipe is busy 69.7% of the cycles against 80.9%
+for cuBLAS's kernel (128 x 128 tiles, 6 stages, 2-CTA clusters), which issues 248 M
+instructions to this kernel's 317 M and keeps the L2 61% busy to this kernel's 75%; neither
+spills (168 registers a thread each).
 At M = 4096 it runs 996-1147 TFLOP/s over the seven projection and expert shapes, 0.85-0.87x
 cuBLAS's blockwise FP8 GEMM timed in the same run; at M = 256 1.37-1.38x where K is split
 (benchmarks/README.md).
@@ -100,9 +110,6 @@ class Config:
   # K in this many equal parts, one CTA each (per-tile schedule only): float32 partial
   # products that XLA sums, for a grid of tiles too small to fill the SMs.
   splits: int = 1
-  # Each K block's rescale deferred to the next step, where it runs while that block's wgmma
-  # is on the tensor cores: a third block_n / 2-register accumulator, so block_n <= 128.
-  defer: bool = False
 
   def __post_init__(self):
     if self.block_n not in (64, 128, 192):
@@ -114,8 +121,6 @@ class Config:
     if not isinstance(self.splits, int) or self.splits < 1 or (self.splits > 1
                                                                 and self.persistent):
       raise ValueError(f"Config.splits must be a positive int, 1 when persistent, got {self}")
-    if self.defer and self.block_n > 128:
-      raise ValueError(f"Config.defer holds three accumulators: block_n <= 128, got {self}")
 
 
 PERSISTENT_MAX_K = 2048
@@ -227,22 +232,13 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
     wg = lax.axis_index("wg")
     rows = pl.ds(wg * WG_M, WG_M)
 
-    def step(idx, a_smem, w_smem, sa_smem, sw_smem, carry):
+    def step(idx, a_smem, w_smem, sa_smem, sw_smem, acc):
       kg = b0 + idx[0]  # the K block
-      # Deferred: carry = (sums, the last block's products, their row scales).
-      acc, last, last_scale = carry if cfg.defer else (carry, None, None)
-
       def mma(*d_refs):
         for c, d_ref in enumerate(d_refs):
           plgpu.wgmma(d_ref, a_smem.at[rows], w_smem.at[pl.ds(c * cw, cw)].transpose((1, 0)))
         s_a = plgpu.load(sa_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
         s0, s1 = sw_smem[0, kg % SW_BOX], sw_smem[1, kg % SW_BOX]
-        if cfg.defer:  # every chunk in one weight block (block_n <= 128)
-          sums = tuple(a + d * s[:, None] for a, d, s in zip(acc, last, last_scale))
-          plgpu.wgmma_wait(0)
-          lo = (ni * bn) % BLOCK
-          scales = tuple(s_a * jnp.where(lo + c * cw < BLOCK, s0, s1) for c in range(cfg.chunks))
-          return sums, tuple(d_ref[...] for d_ref in d_refs), scales
         out = []
         for c, d_ref in enumerate(d_refs):
           plgpu.wgmma_wait(cfg.chunks - 1 - c)
@@ -262,13 +258,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
 
     def context(run):
       zero = plgpu.layout_cast(jnp.zeros((WG_M, cw), jnp.float32), plgpu.Layout.WGMMA)
-      if cfg.defer:
-        none = plgpu.layout_cast(jnp.zeros((WG_M,), jnp.float32),
-                                 plgpu.Layout.WGMMA.reduce(1))
-        acc, last, scale = run(((zero,) * cfg.chunks,) * 2 + ((none,) * cfg.chunks,))
-        acc = tuple(a + d * s[:, None] for a, d, s in zip(acc, last, scale))
-      else:
-        acc = run((zero,) * cfg.chunks)
+      acc = run((zero,) * cfg.chunks)
       if cfg.persistent:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read o_smem
       for c, part in enumerate(acc):
