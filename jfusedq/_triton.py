@@ -10,7 +10,7 @@ command buffers, so each of its kernels split the decode step's CUDA graph and w
 the host: on one H200 a decode step with Triton kernels first ran in 5-10 graphs with
 277-1455 us of idle GPU through jax-triton, in one graph with 2.6-8.2 us idle through XLA. The
 price: the fp8 GEMM as XLA's Triton builds it took 0.98-1.13x the kernel time of Triton 3.6's
-own build (`aligned` holds an untimed lead on why).
+own build.
 
 Python scalars among a call's arguments (row counts) become constants of the TTIR: one kernel
 per value, as shapes are static under `jit` anyway. Importing this module never fails: without
@@ -71,25 +71,6 @@ def _gpu_target(target: _target.Target):
     if cc is None:
       raise Unsupported(f"triton: no compute capability known for {target.device_kind!r}")
   return GPUTarget("cuda", cc, 32)
-
-
-@jit
-def aligned(ptr, offs, K: tl.constexpr):
-  """`ptr + offs` for `offs` [R, W] into rows of K elements, marked 16-byte aligned at every 16
-  bytes where a row is a whole number of 16-byte words (XLA's buffers are, `source`). The
-  mark goes on the sum made here: on a value passed in it is lost.
-
-  The arguments carry that alignment (`tt.divisibility`); the mark says it again on the
-  addresses themselves, so an access stays one 16-byte vector a thread even where a build does
-  not see it on an argument. Compiled by Triton 3.6 on CPU with the output arguments' alignment
-  left out, the norm kernel's residual store went through an 8 KB shared-memory layout
-  conversion (`ldmatrix` / `stmatrix`), which is what ncu showed in XLA's build of that kernel
-  on the H200, and the GEMM stored its tile 2 bytes at a time; marked, each compiles as with
-  the alignment known."""
-  ptrs = ptr + offs
-  if (K * ptr.dtype.element_ty.primitive_bitwidth) % 128 == 0:
-    ptrs = tl.multiple_of(ptrs, [1, 16])
-  return ptrs
 
 
 def signature(kernel, args, outs, constexprs) -> tuple[tuple, tuple]:

@@ -3,7 +3,6 @@ error an explicit implementation="triton" gives where it cannot run, every kerne
 XLA's Triton custom call for sm90, gfx942 and gfx950 (its TTIR read by XLA's own Triton
 dialect), and every kernel compiled ahead of time for those targets by the installed Triton."""
 
-import collections
 import re
 
 import jax
@@ -115,15 +114,13 @@ def test_experts_run_in_one_launch(monkeypatch):
   assert [grid[2] for grid in gemms] == [5, 5, 6]
 
 
-def compile_call(target, call, argument_alignment=True):
+def compile_call(target, call):
   triton = pytest.importorskip("triton")
   from triton.backends.compiler import GPUTarget
   kernel, args, out_shape, num_warps, num_stages, constexprs = call
   outs = out_shape if isinstance(out_shape, (list, tuple)) else [out_shape]
   # The source the launcher hands XLA: arrays as aligned pointers, scalars as constants.
   src = _triton.source(kernel, *_triton.signature(kernel, args, outs, constexprs))
-  if not argument_alignment:
-    src.attrs = {}
   platform, _, arch, warp = AOT[target]
   gpu = GPUTarget("cuda" if platform == "cuda" else "hip", arch, warp)
   # FP fusion on, Triton's default up to 3.9 (explicit: Triton 3.10 changes it).
@@ -172,25 +169,6 @@ def test_row_kernels_compile(monkeypatch, target):
   assert len(calls) == 4
   for call in calls:
     compile_call(target, call)
-
-
-def global_accesses(ptx: str) -> collections.Counter:
-  return collections.Counter(re.findall(r"(?:ld|st)\.global[.\w]*", ptx))
-
-
-@pytest.mark.lowering
-def test_kernels_do_not_depend_on_argument_alignment(monkeypatch):
-  # The kernels mark their addresses 16-byte aligned themselves (_triton.aligned): built with
-  # the arguments' alignment left out, a kernel keeps its 16-byte loads and stores and its
-  # shared memory; unmarked, the norm's residual store took an 8 KB layout conversion and the
-  # GEMM stored its tile 2 bytes at a time.
-  pytest.importorskip("triton")
-  calls = recorded_calls(monkeypatch, "h200", [*row_ops(), *matmul_ops(Fp8Format.e4m3fn())])
-  for call in calls:
-    aligned = compile_call("h200", call)
-    unknown = compile_call("h200", call, argument_alignment=False)
-    assert unknown.metadata.shared == aligned.metadata.shared, call[0].__name__
-    assert global_accesses(unknown.asm["ptx"]) == global_accesses(aligned.asm["ptx"])
 
 
 @pytest.mark.lowering

@@ -59,8 +59,8 @@ def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.con
   rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
   rk = tl.arange(0, BK)
   m_ok, n_ok = rm < m, rn < N
-  a_ptrs = _triton.aligned(a_ptr, rm.to(tl.int64)[:, None] * K + rk[None, :], K)
-  w_ptrs = _triton.aligned(w_ptr, rn.to(tl.int64)[:, None] * K + rk[None, :], K)
+  a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]
+  w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :]
   sw_row = sw_ptr + (pid_n * BLOCK_N // BK) * KB
   first = pid_k * PER_SPLIT
   last = tl.minimum(first + PER_SPLIT, KB)
@@ -105,8 +105,7 @@ def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.con
     acc = tl.trans(acc)
 
   o_offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
-  tl.store(_triton.aligned(o_ptr, o_offs, N), acc.to(o_ptr.dtype.element_ty),
-           mask=m_ok[:, None] & n_ok[None, :])
+  tl.store(o_ptr + o_offs, acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def heuristics(m: int, n: int, k: int, device_kind: str | None = None, batch: int = 1) -> Config:

@@ -121,7 +121,7 @@ def store_quant(y, r, rows, offs, mask, q_ptr, s_ptr, K: tl.constexpr, G: tl.con
     codes = encode_fnuz(q)
   else:
     codes = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-  tl.store(_triton.aligned(q_ptr, offs, K), codes, mask=mask)
+  tl.store(q_ptr + offs, codes, mask=mask)
   NG: tl.constexpr = (K + G - 1) // G
   g = tl.arange(0, W // G)
   s_mask = (r < rows)[:, None] & (g < NG)[None, :]
@@ -141,7 +141,7 @@ def group_quant_kernel(x_ptr, rows, q_ptr, s_ptr, K: tl.constexpr, BLOCK_K: tl.c
   c = tl.arange(0, BLOCK_K)
   mask = (r < rows)[:, None] & (c < K)[None, :]
   offs = r.to(tl.int64)[:, None] * K + c[None, :]
-  y = tl.load(_triton.aligned(x_ptr, offs, K), mask=mask, other=0.0).to(tl.float32)
+  y = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
   store_quant(y, r, rows, offs, mask, q_ptr, s_ptr, K, G, FP8_MAX, INV_MAX, UE8M0, COL,
               FNUZ_BITS)
 

@@ -61,7 +61,7 @@ def _normalise(h, w_ptr, c, K: tl.constexpr, EPS: tl.constexpr, OFFSET: tl.const
   inv = tl.math.rsqrt(ms + EPS * s * s)
   inv = tl.where(ms <= 3.4028234663852886e38, inv, ms - ms)  # inf - inf, NaN - NaN: NaN
   cw = tl.broadcast_to(c[None, :], h.shape)
-  w = tl.load(_triton.aligned(w_ptr, cw, K), mask=cw < K, other=0.0).to(tl.float32)
+  w = tl.load(w_ptr + cw, mask=cw < K, other=0.0).to(tl.float32)
   if OFFSET != 0.0:  # a constant: no add per value for y * w
     w = w + OFFSET
   # h * s first, as the reference: s * inv can be subnormal where h * s is not.
@@ -81,16 +81,16 @@ def rmsnorm_quant_kernel(x_ptr, res_ptr, w_ptr, x2_ptr, w2_ptr, rows, q_ptr, s_p
   c = tl.arange(0, BLOCK_K)
   mask = row_ok[:, None] & (c < K)[None, :]
   offs = r.to(tl.int64)[:, None] * K + c[None, :]
-  h = tl.load(_triton.aligned(x_ptr, offs, K), mask=mask, other=0.0).to(tl.float32)
+  h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
   if HAS_RES:
     # Round the sum to the residual dtype first: the norm reads what the stream carries.
-    h = h + tl.load(_triton.aligned(res_ptr, offs, K), mask=mask, other=0.0).to(tl.float32)
+    h = h + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     h = h.to(res_out_ptr.dtype.element_ty)
-    tl.store(_triton.aligned(res_out_ptr, offs, K), h, mask=mask)
+    tl.store(res_out_ptr + offs, h, mask=mask)
     h = h.to(tl.float32)
   y = _normalise(h, w_ptr, c, K, EPS, OFFSET)
   if KEEP_HP:
-    tl.store(_triton.aligned(hp_ptr, offs, K), y.to(hp_ptr.dtype.element_ty), mask=mask)
+    tl.store(hp_ptr + offs, y.to(hp_ptr.dtype.element_ty), mask=mask)
   if QUANT:
     gq.store_quant(y, r, rows, offs, mask, q_ptr, s_ptr, K, G, FP8_MAX, INV_MAX, UE8M0, COL,
                    FNUZ_BITS)
@@ -98,9 +98,9 @@ def rmsnorm_quant_kernel(x_ptr, res_ptr, w_ptr, x2_ptr, w2_ptr, rows, q_ptr, s_p
     c2 = tl.arange(0, BLOCK_K2)
     mask2 = row_ok[:, None] & (c2 < K2)[None, :]
     offs2 = r.to(tl.int64)[:, None] * K2 + c2[None, :]
-    h2 = tl.load(_triton.aligned(x2_ptr, offs2, K2), mask=mask2, other=0.0).to(tl.float32)
+    h2 = tl.load(x2_ptr + offs2, mask=mask2, other=0.0).to(tl.float32)
     y2 = _normalise(h2, w2_ptr, c2, K2, EPS2, OFFSET)
-    tl.store(_triton.aligned(y2_ptr, offs2, K2), y2.to(y2_ptr.dtype.element_ty), mask=mask2)
+    tl.store(y2_ptr + offs2, y2.to(y2_ptr.dtype.element_ty), mask=mask2)
 
 
 def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format | None, group_size,
