@@ -315,6 +315,9 @@ def test_lowers(target, layout, config):
     # 18 K blocks (two weight-scale boxes of 16, the second partly past the array, padded to
     # 20 for TMA's 16-byte row stride); the second part's K blocks cross from one box to the next.
     ((64,), 192, 2304, "row", MosaicConfig(64, stages=2, splits=2)),
+    # 256 columns, the chunks one after another; N = 320 leaves the second tile ragged.
+    ((130,), 320, 384, "row", MosaicConfig(256, stages=2, chunks=2)),
+    ((2, 65), 512, 256, "col", MosaicConfig(256, stages=3, chunks=4)),
 ], ids=str)
 @pytest.mark.parametrize("impl", [MOSAIC_GPU])
 def test_mosaic_gpu(impl, m_shape, n, k, layout, config):
@@ -334,6 +337,7 @@ def test_mosaic_gpu(impl, m_shape, n, k, layout, config):
     (130, 192, 256, "col", MosaicConfig(64, stages=3, persistent=True)),  # 6 tiles on 4 CTAs
     (300, 384, 256, "row", MosaicConfig(192, stages=2, persistent=True, chunks=2)),
     (300, 576, 256, "col", MosaicConfig(192, stages=2, persistent=True, chunks=3)),
+    (300, 768, 256, "row", MosaicConfig(256, stages=3, persistent=True, chunks=4)),
 ], ids=str)
 @pytest.mark.parametrize("impl", [MOSAIC_GPU])
 def test_mosaic_gpu_persistent(monkeypatch, impl, m, n, k, layout, config):
@@ -381,7 +385,11 @@ def test_mosaic_gpu_declines(impl):
   with pytest.raises(Unsupported, match="e4m3fn"):
     fp8_matmul(x, qw, sw, implementation=impl)
   with pytest.raises(ValueError, match="block_n"):
+    MosaicConfig(320)
+  with pytest.raises(ValueError, match="256 columns"):
     MosaicConfig(256)
+  with pytest.raises(ValueError, match="256 columns"):
+    MosaicConfig(128, chunks=4)
   with pytest.raises(ValueError, match="stages"):
     MosaicConfig(128, stages=0)
   with pytest.raises(ValueError, match="splits"):
@@ -406,17 +414,18 @@ def test_mosaic_gpu_fits_shared_memory():
 
 @pytest.mark.lowering
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("persistent,out_dtype,splits", [
-    (False, jnp.bfloat16, 1), (True, jnp.bfloat16, 1), (True, jnp.float32, 1),
-    (False, jnp.bfloat16, 2)])
-def test_mosaic_gpu_lowers(target, persistent, out_dtype, splits):
-  # float32: the heuristic's 3 stages fit where 4 did not (test_mosaic_gpu_fits_shared_memory).
+@pytest.mark.parametrize("config,out_dtype", [
+    (MosaicConfig(192), jnp.bfloat16), (MosaicConfig(192, persistent=True), jnp.bfloat16),
+    # float32: the heuristic's 3 stages fit where 4 did not (test_mosaic_gpu_fits_shared_memory).
+    (None, jnp.float32),
+    # K in parts stages float32 partials: 64 columns, where 192 would overflow shared memory.
+    (MosaicConfig(64, splits=2), jnp.bfloat16),
+    (MosaicConfig(256, 3, persistent=True, chunks=2), jnp.bfloat16),  # 3 stages fit at 256
+], ids=str)
+def test_mosaic_gpu_lowers(target, config, out_dtype):
   S = jax.ShapeDtypeStruct
   fp8 = jnp.float8_e4m3fn
-  # K in parts stages float32 partials: 64 columns, where 192 would overflow shared memory.
-  cfg = (MosaicConfig(192 if splits == 1 else 64, persistent=persistent, splits=splits)
-         if out_dtype == jnp.bfloat16
-         else mosaic_gpu.heuristics(4096, 12288, 4096, out_dtype))
+  cfg = config or mosaic_gpu.heuristics(4096, 12288, 4096, out_dtype)
 
   def fn(q, s, w, sw):
     return fp8_matmul(QuantizedActivation(q, s), w, sw, implementation="mosaic_gpu",

@@ -67,6 +67,7 @@ cuBLAS's blockwise FP8 GEMM timed in the same run; at M = 256 1.37-1.38x where K
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -95,10 +96,13 @@ SW_BOX = 16
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Tile width (block_n in {64, 128, 192}; the tile is 128 x block_n) and TMA pipeline depth.
+  """Tile width (block_n in {64, 128, 192, 256}; the tile is 128 x block_n) and TMA pipeline
+  depth.
 
-  A compute warpgroup holds two 64 x block_n f32 accumulators (the running sum and the fresh
-  block product): block_n / 2 registers per thread each, so 192 is the widest that fits."""
+  A compute warpgroup holds the running sum (block_n / 2 f32 registers per thread) and the
+  fresh block product of its wgmma groups in flight: all of them up to 192 columns, one chunk
+  at a time at 256 (the chunks then run one after another, each waited for before the next,
+  as the sum's 128 registers leave room for one 64-register product only)."""
 
   block_n: int
   stages: int = 4
@@ -112,10 +116,13 @@ class Config:
   splits: int = 1
 
   def __post_init__(self):
-    if self.block_n not in (64, 128, 192):
-      raise ValueError(f"Config needs block_n in (64, 128, 192), got {self}")
-    if self.chunks not in (1, 2, 3) or (self.block_n // self.chunks) % 32:
+    if self.block_n not in (64, 128, 192, 256):
+      raise ValueError(f"Config needs block_n in (64, 128, 192, 256), got {self}")
+    if self.chunks not in (1, 2, 3, 4) or (self.block_n // self.chunks) % 32:
       raise ValueError(f"Config.chunks must split block_n into multiples of 32, got {self}")
+    if (self.block_n == 256) != (self.chunks in (2, 4)) and (self.block_n == 256
+                                                           or self.chunks == 4):
+      raise ValueError(f"Config: 256 columns run in 2 or 4 chunks, and only they in 4; got {self}")
     if not isinstance(self.stages, int) or self.stages < 1:
       raise ValueError(f"Config.stages must be a positive int, got {self.stages!r}")
     if not isinstance(self.splits, int) or self.splits < 1 or (self.splits > 1
@@ -234,11 +241,27 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
 
     def step(idx, a_smem, w_smem, sa_smem, sw_smem, acc):
       kg = b0 + idx[0]  # the K block
+      issue = lambda c, d_ref: plgpu.wgmma(d_ref, a_smem.at[rows],
+                                           w_smem.at[pl.ds(c * cw, cw)].transpose((1, 0)))
+      scales = lambda: (plgpu.load(sa_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1)),
+                        sw_smem[0, kg % SW_BOX], sw_smem[1, kg % SW_BOX])
+
+      if bn == 256:  # the chunks one after another (Config); the tile spans two whole blocks
+        s_a, s0, s1 = scales()
+
+        def chunk(c, d_ref):
+          issue(c, d_ref)
+          plgpu.wgmma_wait(0)
+          return acc[c] + d_ref[...] * (s_a * (s0 if c * cw < BLOCK else s1))[:, None]
+
+        return tuple(pl.run_scoped(functools.partial(chunk, c), plgpu.ACC((WG_M, cw),
+                                                                         jnp.float32))
+                     for c in range(cfg.chunks))
+
       def mma(*d_refs):
         for c, d_ref in enumerate(d_refs):
-          plgpu.wgmma(d_ref, a_smem.at[rows], w_smem.at[pl.ds(c * cw, cw)].transpose((1, 0)))
-        s_a = plgpu.load(sa_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-        s0, s1 = sw_smem[0, kg % SW_BOX], sw_smem[1, kg % SW_BOX]
+          issue(c, d_ref)
+        s_a, s0, s1 = scales()
         out = []
         for c, d_ref in enumerate(d_refs):
           plgpu.wgmma_wait(cfg.chunks - 1 - c)
