@@ -120,9 +120,10 @@ class Config:
       raise ValueError(f"Config needs block_n in (64, 128, 192, 256), got {self}")
     if self.chunks not in (1, 2, 3, 4) or (self.block_n // self.chunks) % 32:
       raise ValueError(f"Config.chunks must split block_n into multiples of 32, got {self}")
-    if (self.block_n == 256) != (self.chunks in (2, 4)) and (self.block_n == 256
-                                                           or self.chunks == 4):
-      raise ValueError(f"Config: 256 columns run in 2 or 4 chunks, and only they in 4; got {self}")
+    if ((self.block_n == 256 and self.chunks not in (2, 4))
+        or (self.block_n != 256 and self.chunks == 4)):
+      raise ValueError(f"Config: 256 columns take chunks 2 or 4, and chunks 4 only 256 columns; "
+                       f"got {self}")
     if not isinstance(self.stages, int) or self.stages < 1:
       raise ValueError(f"Config.stages must be a positive int, got {self.stages!r}")
     if not isinstance(self.splits, int) or self.splits < 1 or (self.splits > 1
