@@ -247,13 +247,24 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
       scales = lambda: (plgpu.load(sa_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1)),
                         sw_smem[0, kg % SW_BOX], sw_smem[1, kg % SW_BOX])
 
-      if bn == 256:  # the chunks one after another (Config); the tile spans two whole blocks
+      def rescale(c, d_ref, s_a, s0, s1):  # acc[c] + chunk c's product times its scales
+        # The chunk's first column, counted from the first weight block the tile touches.
+        lo = (ni * bn) % BLOCK + c * cw
+        if BLOCK % cw == 0:  # the chunk lies in one weight block: one FMA per value
+          return acc[c] + d_ref[...] * (s_a * jnp.where(lo < BLOCK, s0, s1))[:, None]
+        # Columns before the block edge take the first block's scale, the rest the second's.
+        col = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (cw,), 0) + lo,
+                                plgpu.Layout.WGMMA.reduce(0))
+        s_w = jnp.where(col < BLOCK, s0, s1)
+        return acc[c] + d_ref[...] * s_a[:, None] * s_w[None, :]
+
+      if bn == 256:  # the chunks one after another (Config)
         s_a, s0, s1 = scales()
 
         def chunk(c, d_ref):
           issue(c, d_ref)
           plgpu.wgmma_wait(0)
-          return acc[c] + d_ref[...] * (s_a * (s0 if c * cw < BLOCK else s1))[:, None]
+          return rescale(c, d_ref, s_a, s0, s1)
 
         return tuple(pl.run_scoped(functools.partial(chunk, c), plgpu.ACC((WG_M, cw),
                                                                          jnp.float32))
@@ -266,16 +277,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
         out = []
         for c, d_ref in enumerate(d_refs):
           plgpu.wgmma_wait(cfg.chunks - 1 - c)
-          # The chunk's first column, counted from the first weight block the tile touches.
-          lo = (ni * bn) % BLOCK + c * cw
-          if BLOCK % cw == 0:  # the chunk lies in one weight block: one FMA per value
-            scale = (s_a * jnp.where(lo < BLOCK, s0, s1))[:, None]
-            out.append(acc[c] + d_ref[...] * scale)
-          else:  # columns before the block edge take the first block's scale, the rest the second's
-            col = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (cw,), 0) + lo,
-                                    plgpu.Layout.WGMMA.reduce(0))
-            s_w = jnp.where(col < BLOCK, s0, s1)
-            out.append(acc[c] + d_ref[...] * s_a[:, None] * s_w[None, :])
+          out.append(rescale(c, d_ref, s_a, s0, s1))
         return tuple(out)
 
       return pl.run_scoped(mma, *[plgpu.ACC((WG_M, cw), jnp.float32)] * cfg.chunks)
