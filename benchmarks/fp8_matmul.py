@@ -158,7 +158,7 @@ def sweep_configs(impl: str, m: int, n: int, k: int) -> list:
     # Tile widths dividing N, 2 to 6 TMA stages (as many as fit beside the output staging),
     # both schedules at every width (a persistent 64-wide grid of 2 tiles an SM against a
     # 128-wide one just over a wave); the wgmma in column chunks (192: 96 or 64 a chunk, 128:
-    # 64); 256 columns; K in 2 or 4 parts at the heuristic's width.
+    # 64); 256 columns; K in 2 or 4 parts at the heuristic's width; the persistent bands.
     fits = lambda c: mm_mosaic.smem_bytes(c, jnp.bfloat16) <= _target.HOPPER_SMEM_BYTES
     cands = [mm_mosaic.Config(bn, st) for bn in (64, 128, 192) if n % bn == 0
              for st in range(2, 7)]
@@ -169,6 +169,9 @@ def sweep_configs(impl: str, m: int, n: int, k: int) -> list:
     # 256 columns (the chunks one after another): 2 or 3 stages, both schedules.
     cands += [mm_mosaic.Config(256, st, persistent=p, chunks=c) for st in (2, 3)
               for p in (False, True) for c in (2, 4) if n % 256 == 0]
+    # The persistent schedule's bands of row tiles: narrower, wider, and all the rows in one.
+    if h.persistent:
+      cands += [dataclasses.replace(h, band=b) for b in (4, 8, 32, -(-m // mm_mosaic.BLOCK_M))]
     for sp in (2, 4):  # float32 partials staged: the most stages that fit
       c = mm_mosaic.Config(h.block_n, 4, chunks=3 if h.block_n == 192 else 1, splits=sp)
       while not fits(c) and c.stages > 2:

@@ -338,6 +338,8 @@ def test_mosaic_gpu(impl, m_shape, n, k, layout, config):
     (300, 384, 256, "row", MosaicConfig(192, stages=2, persistent=True, chunks=2)),
     (300, 576, 256, "col", MosaicConfig(192, stages=2, persistent=True, chunks=3)),
     (300, 768, 256, "row", MosaicConfig(256, stages=3, persistent=True, chunks=4)),
+    # Bands of 2 row tiles over 3: the last band narrower.
+    (300, 320, 384, "col", MosaicConfig(128, stages=2, persistent=True, band=2)),
 ], ids=str)
 @pytest.mark.parametrize("impl", [MOSAIC_GPU])
 def test_mosaic_gpu_persistent(monkeypatch, impl, m, n, k, layout, config):
@@ -348,6 +350,19 @@ def test_mosaic_gpu_persistent(monkeypatch, impl, m, n, k, layout, config):
   qa = group_quant(x, layout=layout, implementation="xla")
   assert_close(fp8_matmul(qa, qw, sw, implementation=impl, config=config),
                fp8_matmul(qa, qw, sw, implementation="xla"))
+
+
+@pytest.mark.parametrize("mt,nt,band", [(3, 5, 2), (32, 56, 16), (128, 24, 16), (5, 3, 16),
+                                          (7, 4, 1), (9, 2, 4)])
+def test_mosaic_gpu_tile_order(mt, nt, band):
+  # Every tile once, each band's rows M fastest.
+  t = jnp.arange(mt * nt)
+  mi, ni = (np.asarray(v) for v in mosaic_gpu.tile_order(t, mt, nt, band))
+  assert sorted(zip(mi.tolist(), ni.tolist())) == [(i, j) for i in range(mt) for j in range(nt)]
+  assert (mi[1:min(band, mt)] - mi[:min(band, mt) - 1] == 1).all()
+  assert (mi // band == np.repeat(np.arange(-(-mt // band)),
+                                  [min(band, mt - b * band) * nt for b in
+                                   range(-(-mt // band))])).all()
 
 
 def test_mosaic_gpu_heuristics():
@@ -392,6 +407,8 @@ def test_mosaic_gpu_declines(impl):
     MosaicConfig(128, chunks=4)
   with pytest.raises(ValueError, match="stages"):
     MosaicConfig(128, stages=0)
+  with pytest.raises(ValueError, match="band"):
+    MosaicConfig(128, persistent=True, band=0)
   with pytest.raises(ValueError, match="splits"):
     MosaicConfig(128, persistent=True, splits=2)
   x, qw, sw = problem(("mosaic_splits",), (3,), 128, 384)

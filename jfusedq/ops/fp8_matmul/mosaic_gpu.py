@@ -111,6 +111,8 @@ class Config:
   # The tile's columns in this many wgmma groups: a group's rescale runs while the next
   # group's wgmma is still on the tensor cores.
   chunks: int = 1
+  # Persistent only: the tiles in bands of this many row tiles, M fastest within a band.
+  band: int = 16
   # K in this many equal parts, one CTA each (per-tile schedule only): float32 partial
   # products that XLA sums, for a grid of tiles too small to fill the SMs.
   splits: int = 1
@@ -126,6 +128,8 @@ class Config:
                        f"got {self}")
     if not isinstance(self.stages, int) or self.stages < 1:
       raise ValueError(f"Config.stages must be a positive int, got {self.stages!r}")
+    if not isinstance(self.band, int) or self.band < 1:
+      raise ValueError(f"Config.band must be a positive int, got {self.band!r}")
     if not isinstance(self.splits, int) or self.splits < 1 or (self.splits > 1
                                                                 and self.persistent):
       raise ValueError(f"Config.splits must be a positive int, 1 when persistent, got {self}")
@@ -177,6 +181,17 @@ def tiles(m: int, n: int, block_n: int) -> int:
 def covers_half(m: int, n: int, block_n: int) -> bool:
   """Whether the 128 x block_n tiles of an `[M, N]` output number at least half the SMs."""
   return 2 * tiles(m, n, block_n) >= _target.sm_count()
+
+
+def tile_order(t, mt: int, nt: int, band: int):
+  """The persistent schedule's t-th tile (row, column) of an mt x nt grid: bands of `band` row
+  tiles (the last one narrower), M fastest within a band, so that the tiles at work together
+  span `band` rows and about sm_count / band columns and their blocks stay in L2 (M fastest
+  over all rows re-reads the whole activation every wave: at M = 16384 that outgrows the L2)."""
+  first = t // (band * nt) * band
+  rows = jnp.minimum(band, mt - first)
+  r = t - first * nt
+  return first + r % rows, r // rows
 
 
 def check(qa: jax.Array, n: int, k: int) -> None:
@@ -314,9 +329,9 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
 
       def scope(allocations, o_smem):
         @plgpu.nd_loop((mt * nt,), collective_axes="c")
-        def _(info):  # tiles M fastest: the CTAs at work together share weight tiles in L2
+        def _(info):
           (t,) = info.index
-          tile(t % mt, t // mt, refs, o_smem, allocations)
+          tile(*tile_order(t, mt, nt, cfg.band), refs, o_smem, allocations)
 
         plgpu.wait_smem_to_gmem(0)
 
