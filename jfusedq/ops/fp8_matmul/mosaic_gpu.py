@@ -188,10 +188,12 @@ def tile_order(t, mt: int, nt: int, band: int):
   tiles (the last one narrower), M fastest within a band, so that the tiles at work together
   span `band` rows and about sm_count / band columns and their blocks stay in L2 (M fastest
   over all rows re-reads the whole activation every wave: at M = 16384 that outgrows the L2)."""
+  # lax's truncating division (the operands are never negative): jnp's floor division by a
+  # traced divisor does not lower in Mosaic GPU.
   first = t // (band * nt) * band
-  rows = jnp.minimum(band, mt - first)
+  rows = lax.min(mt - first, band)
   r = t - first * nt
-  return first + r % rows, r // rows
+  return first + lax.rem(r, rows), lax.div(r, rows)
 
 
 def check(qa: jax.Array, n: int, k: int) -> None:
