@@ -169,9 +169,12 @@ def sweep_configs(impl: str, m: int, n: int, k: int) -> list:
     # 256 columns (the chunks one after another): 2 or 3 stages, both schedules.
     cands += [mm_mosaic.Config(256, st, persistent=p, chunks=c) for st in (2, 3)
               for p in (False, True) for c in (2, 4) if n % 256 == 0]
-    # The persistent schedule's bands of row tiles: narrower, wider, and all the rows in one.
+    # The persistent schedule's bands of row tiles: narrower, wider, and all the rows in one
+    # (the order before the bands); a band of all mt rows or more is one order.
+    mt = -(-m // mm_mosaic.BLOCK_M)
     if h.persistent:
-      cands += [dataclasses.replace(h, band=b) for b in (4, 8, 32, -(-m // mm_mosaic.BLOCK_M))]
+      cands += [dataclasses.replace(h, band=b) for b in sorted({4, 8, 32, mt})
+                if b < mt or b == mt > h.band]
     for sp in (2, 4):  # float32 partials staged: the most stages that fit
       c = mm_mosaic.Config(h.block_n, 4, chunks=3 if h.block_n == 192 else 1, splits=sp)
       while not fits(c) and c.stages > 2:

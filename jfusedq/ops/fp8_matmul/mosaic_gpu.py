@@ -24,12 +24,13 @@ which clips the columns past N.
 Shapes: K a multiple of 128, N of 64; M padded to a multiple of 8 by XLA (a copy of the
 activation and the output) only where it is not one.
 
-Schedules (`Config`): per-tile CTAs, or `persistent`: one CTA per SM loops over its tiles,
-each a pipeline over K, the pipeline's buffers allocated once so the memory warpgroup runs
-ahead into the next tile (the store stays out of the step: moving it in cost 1-25% more than
-the refills saved). `chunks = 2` issues the tile's columns as two wgmma groups and rescales
-the first while the second runs. `splits` (per-tile only) gives each tile that many CTAs, each
-a part of K, storing float32 partials that XLA sums: for a grid of tiles that leaves SMs idle.
+Schedules (`Config`): per-tile CTAs, or `persistent`: one CTA per SM loops over its tiles (in
+bands of `band` row tiles, M fastest within a band: `tile_order`), each a pipeline over K, the
+pipeline's buffers allocated once so the memory warpgroup runs ahead into the next tile (the
+store stays out of the step: moving it in cost 1-25% more than the refills saved).
+`chunks = 2` issues the tile's columns as two wgmma groups and rescales the first while the
+second runs. `splits` (per-tile only) gives each tile that many CTAs, each a part of K, storing
+float32 partials that XLA sums: for a grid of tiles that leaves SMs idle.
 
 H200, profiler kernel time of the whole call, fresh weights per call, pairs from one run:
 - the weight-block scales as scalars (one FMA per value where a chunk lies in one block)
@@ -55,12 +56,21 @@ H200, profiler kernel time of the whole call, fresh weights per call, pairs from
 - at (7168, 16384), M = 4096, the other 24 configs of a sweep all ran slower than the
   heuristic's pick (836.8 us): 3 stages 859.5, 5 stages 868.5, per tile 903.8, two chunks
   930.3, K in two parts 1087.6, 64 columns 1213.9 or more.
-Under Nsight Compute at that shape the tensor pipe is busy 69.7% of the cycles against 80.9%
-for cuBLAS's kernel (128 x 128 tiles, 6 stages, 2-CTA clusters), which issues 248 M
-instructions to this kernel's 317 M and keeps the L2 61% busy to this kernel's 75%; neither
-spills (168 registers a thread each).
-At M = 4096 it runs 996-1147 TFLOP/s over the seven projection and expert shapes, 0.85-0.87x
-cuBLAS's blockwise FP8 GEMM timed in the same run; at M = 256 1.37-1.38x where K is split
+- 128 x 256 tiles (chunks one after another): 910.1 us at best against 824.4 at (7168, 16384),
+  266.2 against 240.5 at (4096, 8192), M = 4096 (the tensor cores idle during each chunk's
+  rescale);
+- the persistent tiles in bands of 16 row tiles against M fastest over all rows (each wave then
+  re-reads the whole activation from DRAM), in two runs: 3189.0 against 4053.7 us at
+  (7168, 16384), M = 16384, 925.6 against 1190.1 at (4096, 8192); 801.3 against 834.7 at
+  (7168, 16384), M = 4096.
+Under Nsight Compute at (7168, 16384), M = 4096 the tensor pipe is busy 69.7% of the cycles
+against 80.9% for cuBLAS's kernel (128 x 128 tiles, 6 stages, 2-CTA clusters), which issues
+248 M instructions to this kernel's 317 M (117 M of them the rescale's FMAs; ptxas already
+turns the fresh accumulator's zeros into the first wgmma's accumulate-off flag) and keeps the
+L2 61% busy to this kernel's 75%; neither spills (168 registers a thread each). The compute
+warpgroups' largest stall is the wait for their own wgmma.
+At M = 4096 and 16384 it runs 0.86-0.90x cuBLAS's blockwise FP8 GEMM timed in the same run
+over the seven projection and expert shapes; at M = 256 1.37-1.38x where K is split
 (benchmarks/README.md).
 """
 
@@ -111,7 +121,8 @@ class Config:
   # The tile's columns in this many wgmma groups: a group's rescale runs while the next
   # group's wgmma is still on the tensor cores.
   chunks: int = 1
-  # Persistent only: the tiles in bands of this many row tiles, M fastest within a band.
+  # Persistent only: the tiles in bands of this many row tiles, M fastest within a band (16: a
+  # wave of 132 tiles spans about 16 x 8 of them; the other widths, in the sweep, are untimed).
   band: int = 16
   # K in this many equal parts, one CTA each (per-tile schedule only): float32 partial
   # products that XLA sums, for a grid of tiles too small to fill the SMs.
@@ -187,7 +198,8 @@ def tile_order(t, mt: int, nt: int, band: int):
   """The persistent schedule's t-th tile (row, column) of an mt x nt grid: bands of `band` row
   tiles (the last one narrower), M fastest within a band, so that the tiles at work together
   span `band` rows and about sm_count / band columns and their blocks stay in L2 (M fastest
-  over all rows re-reads the whole activation every wave: at M = 16384 that outgrows the L2)."""
+  over all rows re-reads the whole activation from DRAM every wave: 1.27x the time at
+  (7168, 16384), M = 16384)."""
   # lax's truncating division (the operands are never negative): jnp's floor division by a
   # traced divisor does not lower in Mosaic GPU.
   first = t // (band * nt) * band
