@@ -14,7 +14,9 @@ unquantised weight), `xla_dequant` (dequantise the fp8 weight to bf16, then the 
 
 With --sweep, every case instead times the kernel of `--sweep-impl` (pallas, triton or
 mosaic_gpu) under the candidate tilings of `sweep_configs` (input already quantised) and writes
-fp8_matmul_sweep[_<impl>].json: the data the heuristics are set from. --nks picks shapes
+fp8_matmul_sweep[_<impl>].json: the data the heuristics are set from (--sweep-vary FIELD ...:
+only the configs that differ from the heuristic's pick in those fields; --merge FILE keeps
+FILE's rows of the other configs and cases). --nks picks shapes
 (e.g. 12288x4096; default: the models' projections, `jfusedq.testing.PROJECTIONS`) and --tag
 suffixes the results file (fp8_matmul[_sweep[_<impl>]]_<tag>.json).
 
@@ -209,7 +211,17 @@ def sweep_configs(impl: str, m: int, n: int, k: int) -> list:
   return [h] + [c for c in dict.fromkeys(cands) if c != h]
 
 
-def run_sweep(impl, ms, nks, fp8_peak, bw, commit, out, tag=""):
+def varying(impl: str, m: int, n: int, k: int, fields) -> list:
+  """The heuristic's pick and the sweep's configs that differ from it only in `fields`."""
+  h = HEURISTICS[impl](m, n, k)
+  same = lambda c: all(getattr(c, f.name) == getattr(h, f.name)
+                       for f in dataclasses.fields(h) if f.name not in fields)
+  return [c for c in sweep_configs(impl, m, n, k) if same(c)]
+
+
+def run_sweep(impl, ms, nks, fp8_peak, bw, commit, out, tag="", vary=None, merge=None):
+  """The --sweep rows: every config of `sweep_configs` (only those varying `vary` from the
+  heuristic's pick, where given), written after every case."""
   rows = []
   print(f"\nsweep ({impl}, quantised input): {'M':>5} {'N':>6} {'K':>6} {'us':>9} config")
   for seed, ((n, k), m) in enumerate((nk, m) for nk in nks for m in ms):
@@ -217,7 +229,7 @@ def run_sweep(impl, ms, nks, fp8_peak, bw, commit, out, tag=""):
     x, qa, qw, sw, wb = make(1)[0]
     want = fp8_matmul(qa, qw, sw, implementation="xla")
     flops = 2 * m * n * k
-    for cfg in sweep_configs(impl, m, n, k):
+    for cfg in varying(impl, m, n, k, vary) if vary else sweep_configs(impl, m, n, k):
       op = lambda x, qa, qw, sw, wb, cfg=cfg: fp8_matmul(qa, qw, sw, implementation=impl,
                                                          config=cfg)
       ok = rel_rms(op(x, qa, qw, sw, wb), want) <= 2.0**-8
@@ -232,7 +244,7 @@ def run_sweep(impl, ms, nks, fp8_peak, bw, commit, out, tag=""):
       print(f"{m:>38} {n:>6} {k:>6} {sec * 1e6:9.2f} {cfg} {'' if ok else 'CHECK FAILED'}",
             flush=True)
     _harness.write_results("fp8_matmul_sweep" + ("" if impl == "pallas" else f"_{impl}")
-                           + (f"_{tag}" if tag else ""), rows,
+                           + (f"_{tag}" if tag else ""), merged(rows, merge, ("impl", "config")),
                            {"copy_tbps": round(bw, 3), "fp8_peak_tflops": round(fp8_peak, 1)},
                            commit, out)
 
@@ -416,15 +428,16 @@ def prefill_case(m, n, k, seed, impls, theirs) -> dict[str, dict]:
   return rows
 
 
-def merged(rows: list[dict], path: str | None) -> list[dict]:
-  """`rows`, then those of the results file at `path` for every (case, impl) they lack, each
-  keeping its own run's commit, date and ceilings (--merge: a comparison run in parts). A row
-  that replaces one of the file's takes its `default` mark where it has none."""
+def merged(rows: list[dict], path: str | None, fields=("impl",)) -> list[dict]:
+  """`rows`, then those of the results file at `path` for every (case, *fields) they lack (a
+  sweep's: implementation and config), each keeping its own run's commit, date and ceilings
+  (--merge: a comparison run in parts). A row that replaces one of the file's takes its
+  `default` mark where it has none."""
   if not path:
     return rows
   with open(path) as f:
     doc = json.load(f)
-  key = lambda r: (json.dumps(r["case"], sort_keys=True), r["impl"])
+  key = lambda r: (json.dumps(r["case"], sort_keys=True), *(r.get(f) for f in fields))
   old = {key(r): r for r in doc["rows"]}
   new = [r if "default" not in old.get(key(r), {}) else {"default": old[key(r)]["default"], **r}
          for r in rows]
@@ -490,6 +503,9 @@ def main():
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on CPU")
   ap.add_argument("--sweep", action="store_true", help="only the tiling sweep (see docstring)")
   ap.add_argument("--sweep-impl", default="pallas", choices=sorted(HEURISTICS))
+  ap.add_argument("--sweep-vary", nargs="+", default=None, metavar="FIELD",
+                  help="--sweep: only the configs that differ from the heuristic's pick in "
+                       "these Config fields (e.g. band)")
   ap.add_argument("--ms", nargs="+", type=int, default=None,
                   help=f"default {MS}; with --sweep {SWEEP_MS}")
   ap.add_argument("--nks", nargs="+", default=None, help="N x K shapes, e.g. 12288x4096")
@@ -536,7 +552,8 @@ def main():
         f" FP8 peak taken as {fp8_peak:.0f} TFLOP/s")
   if args.sweep:
     return run_sweep(args.sweep_impl, (1,) if args.smoke else args.ms or SWEEP_MS, nks,
-                     fp8_peak, bw, args.commit, args.out, args.tag)
+                     fp8_peak, bw, args.commit, args.out, args.tag, args.sweep_vary,
+                     args.merge)
   if args.prefill:
     order = [i for i in ["cublas_blockwise", *PREFILL_IMPLS] if i in impls]
     return run_prefill(ms, nks, order, fp8_peak, bw, bf16, args.commit, args.out, args.tag,

@@ -61,6 +61,8 @@ class Spec:
   headline: tuple[dict, ...] = ()
   # A second table of a run's rows (rows -> lines), after the first.
   grid: Callable[[list[dict]], list[str]] | None = None
+  # A tuning sweep: a row per (case, config) instead of a column per implementation.
+  by_config: bool = False
 
 
 def field(key: str, digits: int = 2, ratio_like: bool = False):
@@ -131,6 +133,9 @@ SPECS = {
                  ("vs XLA bf16", lambda r, by: ratio(by.get("xla_bf16"), r)),
                  ("cuBLAS p10-p90", lambda r, by: spread(by.get("cublas_blockwise")))),
         headline=({"M": 4096, "N": 7168, "K": 16384},), grid=prefill_grid),
+    "fp8_matmul_sweep_mosaic_gpu": Spec(
+        "Mosaic GPU GEMM configs around the heuristic's pick (`fp8_matmul.py --sweep "
+        "--sweep-impl mosaic_gpu`)", by_config=True),
     "moe_gemm": Spec(
         "MoE expert GEMMs (`jf.grouped_fp8_matmul`)",
         summary=(("of copy roofline", field("roofline_frac")),
@@ -215,6 +220,23 @@ def cases(rows: list[dict]) -> dict[str, dict[str, dict]]:
   return out
 
 
+def config_table(shape: list[str], rows: list[dict]) -> list[str]:
+  """A sweep's rows, a line per config in the order timed; the heuristic's pick in bold, every
+  config's speed against it."""
+  head = shape + ["config", "us", "TFLOP/s", "pick's time / this"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for rs in cases([dict(r, impl=r["config"]) for r in rows]).values():
+    pick = next((r for r in rs.values() if r.get("heuristic")), None)
+    for r in rs.values():
+      text = num(r["time_us"]) + ("" if r["correct"] else f" {FAILED}")
+      config = r["config"].removeprefix("Config(").removesuffix(")")
+      cells = [str(r["case"].get(k, "-")) for k in shape] + [
+          f"**{config}**" if r is pick else config, f"**{text}**" if r is pick else text,
+          num(r.get("tflops"), 1), ratio(pick, r)]
+      lines.append("| " + " | ".join(cells) + " |")
+  return lines
+
+
 def table(name: str, doc: dict, rows: list[dict]) -> list[str]:
   spec = SPECS.get(name, Spec(name))
   by_case = cases(rows)
@@ -229,9 +251,11 @@ def table(name: str, doc: dict, rows: list[dict]) -> list[str]:
            f"{devices} x {doc['device']}, JAX {doc['jax']}; ceilings measured in the run: "
            f"{ceilings_text(json.loads(ceilings)) or 'none'}"
            + (f"; {', '.join(f'{k} = {v}' for k, v in fixed.items())}" if fixed else "")
-           + f". Per implementation: {spec.unit}"
-           + f"{', ' + spec.cell_unit if spec.cell_unit else ''}, the "
-           "default in bold.", ""]
+           + (f". Per config: {spec.unit}, the heuristic's pick in bold." if spec.by_config else
+              f". Per implementation: {spec.unit}"
+              + f"{', ' + spec.cell_unit if spec.cell_unit else ''}, the default in bold."), ""]
+  if spec.by_config:
+    return lines + config_table(shape, rows)
   head = shape + impls + ["default"] + [h for h, _ in spec.summary]
   lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for by_impl in by_case.values():

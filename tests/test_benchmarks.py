@@ -142,6 +142,32 @@ def test_merge_keeps_other_runs(tmp_path):
   assert bench.merged(rows, None) == rows
 
 
+def test_sweep_merge_keys_by_config(tmp_path):
+  """A sweep's --merge: one row per (case, config); a re-timed config replaces its row."""
+  sys.path.insert(0, str(BENCHMARKS))
+  import fp8_matmul as bench
+  row = lambda config, us: {"case": {"M": 16}, "impl": "mosaic_gpu", "config": config,
+                            "time_us": us}
+  old = {"commit": "a" * 7, "date": "2026-12-01", "ceilings": {}, "rows": [row("x", 1.0),
+                                                                          row("y", 2.0)]}
+  (tmp_path / "old.json").write_text(json.dumps(old))
+  rows = bench.merged([row("y", 3.0)], str(tmp_path / "old.json"), ("impl", "config"))
+  assert [(r["config"], r["time_us"]) for r in rows] == [("y", 3.0), ("x", 1.0)]
+
+
+def test_sweep_vary_keeps_the_pick_and_one_field():
+  """--sweep-vary band: the heuristic's pick and the configs differing from it in band alone."""
+  sys.path.insert(0, str(BENCHMARKS))
+  import dataclasses
+  import fp8_matmul as bench
+  m, n, k = 16384, 7168, 16384
+  pick = bench.HEURISTICS["mosaic_gpu"](m, n, k)
+  got = bench.varying("mosaic_gpu", m, n, k, ["band"])
+  assert got[0] == pick and len(got) > 1
+  assert all(dataclasses.replace(c, band=pick.band) == pick for c in got)
+  assert len(bench.sweep_configs("mosaic_gpu", m, n, k)) > len(got)
+
+
 def test_expected_ranges_hold_what_the_script_measures():
   """`jfusedq run`'s expected numerics ranges (models.run.EXPECTED) contain what
   benchmarks/expected_ranges.py measures, on the first seeds it measured them over."""

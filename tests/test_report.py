@@ -20,7 +20,8 @@ def test_pages_are_current():
 
 
 # Results of a script's mode, named after the script and the mode.
-MODES = {"fp8_matmul_prefill": "fp8_matmul"}  # fp8_matmul.py --prefill
+MODES = {"fp8_matmul_prefill": "fp8_matmul",  # fp8_matmul.py --prefill
+         "fp8_matmul_sweep_mosaic_gpu": "fp8_matmul"}  # --sweep --sweep-impl mosaic_gpu
 
 
 def test_one_file_per_benchmark():
@@ -134,3 +135,20 @@ def test_missing_markers(tmp_path):
   (tmp_path / "page.md").write_text("# no markers\n")
   with pytest.raises(SystemExit, match="markers"):
     report.main(args)
+
+
+def test_sweep_rows_by_config(tmp_path):
+  """A sweep's table: a line per config, the heuristic's pick in bold, each config's speed
+  against the pick; a failed check marked and without a ratio."""
+  row = lambda config, us, pick=False, ok=True: {
+      "case": {"M": 16, "N": 2112, "K": 7168}, "impl": "mosaic_gpu", "time_us": us,
+      "tflops": 1.0, "correct": ok, "config": f"Config({config})", "heuristic": pick}
+  doc = dict(_doc([row("band=16", 2.0, pick=True), row("band=8", 1.0), row("band=4", 4.0,
+                                                                           ok=False)]),
+             benchmark="fp8_matmul_sweep_mosaic_gpu")
+  args = _write(tmp_path, {"fp8_matmul_sweep_mosaic_gpu": doc})
+  assert report.main(args) == 0
+  page = (tmp_path / "page.md").read_text()
+  assert "| **band=16** | **2.00** | 1.0 | 1.000x |" in page
+  assert "| band=8 | 1.00 | 1.0 | 2.000x |" in page
+  assert f"| band=4 | 4.00 {report.FAILED} | 1.0 | {report.FAILED} |" in page

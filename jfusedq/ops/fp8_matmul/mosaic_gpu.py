@@ -60,9 +60,9 @@ H200, profiler kernel time of the whole call, fresh weights per call, pairs from
   266.2 against 240.5 at (4096, 8192), M = 4096 (the tensor cores idle during each chunk's
   rescale);
 - the persistent tiles in bands of 16 row tiles against M fastest over all rows (each wave then
-  re-reads the whole activation from DRAM), in two runs: 3189.0 against 4053.7 us at
-  (7168, 16384), M = 16384, 925.6 against 1190.1 at (4096, 8192); 801.3 against 834.7 at
-  (7168, 16384), M = 4096.
+  re-reads the whole activation from DRAM): 3190.9 against 3878.6 us at (7168, 16384),
+  M = 16384, 913.4 against 1148.3 at (4096, 8192); at M = 4096, 795.4 against 813.9 and 230.8
+  against 238.4. Bands of 4 and 8 ran within 2% of 16 (786.4 at best), 32 2-4% slower.
 Under Nsight Compute at (7168, 16384), M = 4096 the tensor pipe is busy 69.7% of the cycles
 against 80.9% for cuBLAS's kernel (128 x 128 tiles, 6 stages, 2-CTA clusters), which issues
 248 M instructions to this kernel's 317 M (117 M of them the rescale's FMAs; ptxas already
@@ -122,7 +122,8 @@ class Config:
   # group's wgmma is still on the tensor cores.
   chunks: int = 1
   # Persistent only: the tiles in bands of this many row tiles, M fastest within a band (16: a
-  # wave of 132 tiles spans about 16 x 8 of them; the other widths, in the sweep, are untimed).
+  # wave of 132 tiles spans about 16 x 8 of them; bands of 4 and 8 ran within 2% of it, 32
+  # 2-4% slower, at M = 4096 and 16384).
   band: int = 16
   # K in this many equal parts, one CTA each (per-tile schedule only): float32 partial
   # products that XLA sums, for a grid of tiles too small to fill the SMs.
@@ -198,8 +199,8 @@ def tile_order(t, mt: int, nt: int, band: int):
   """The persistent schedule's t-th tile (row, column) of an mt x nt grid: bands of `band` row
   tiles (the last one narrower), M fastest within a band, so that the tiles at work together
   span `band` rows and about sm_count / band columns and their blocks stay in L2 (M fastest
-  over all rows re-reads the whole activation from DRAM every wave: 1.27x the time at
-  (7168, 16384), M = 16384)."""
+  over all rows re-reads the whole activation from DRAM every wave: 1.22-1.26x the time at
+  M = 16384)."""
   # lax's truncating division (the operands are never negative): jnp's floor division by a
   # traced divisor does not lower in Mosaic GPU.
   first = t // (band * nt) * band
