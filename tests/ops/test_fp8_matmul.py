@@ -376,7 +376,8 @@ def test_mosaic_gpu_heuristics():
   assert width(256, 1024) == 64  # 2 x 16 even at 64: the narrowest
   assert width(1, 320) == 64  # N % 128 != 0 and N % 192 != 0
   pick = mosaic_gpu.heuristics
-  assert not pick(1024, 12288, 4096).persistent and pick(1024, 12288, 1536).persistent
+  assert not pick(256, 12288, 4096).persistent and pick(256, 12288, 1536).persistent
+  assert pick(1024, 12288, 4096) == MosaicConfig(192, persistent=True, chunks=2)
   assert pick(4096, 12288, 4096) == MosaicConfig(192, persistent=True, chunks=2)
   assert pick(4096, 7168, 16384) == MosaicConfig(128, persistent=True, chunks=1)
   assert pick(256, 12288, 4096) == MosaicConfig(192, chunks=3)  # per tile: chunks of 64
