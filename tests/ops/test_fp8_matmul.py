@@ -376,11 +376,11 @@ def test_mosaic_gpu_heuristics():
   assert width(256, 1024) == 64  # 2 x 16 even at 64: the narrowest
   assert width(1, 320) == 64  # N % 128 != 0 and N % 192 != 0
   pick = mosaic_gpu.heuristics
-  assert not pick(256, 12288, 4096).persistent and pick(256, 12288, 1536).persistent
-  assert pick(1024, 12288, 4096) == MosaicConfig(192, persistent=True, chunks=2)
+  assert pick(1024, 12288, 4096) == pick(256, 12288, 4096) == MosaicConfig(192, persistent=True,
+                                                                           chunks=2)
+  assert pick(256, 2112, 1536) == MosaicConfig(64, persistent=True)  # a short K: no split
   assert pick(4096, 12288, 4096) == MosaicConfig(192, persistent=True, chunks=2)
   assert pick(4096, 7168, 16384) == MosaicConfig(128, persistent=True, chunks=1)
-  assert pick(256, 12288, 4096) == MosaicConfig(192, chunks=3)  # per tile: chunks of 64
   # 2 x 33 tiles of 128 x 64, half of 132 SMs: K in two parts.
   assert pick(256, 2112, 7168) == MosaicConfig(64, splits=2)
   assert pick(256, 7168, 16384).splits == 1  # 2 x 56 tiles of 128 x 128

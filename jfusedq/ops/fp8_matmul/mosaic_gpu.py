@@ -148,8 +148,7 @@ class Config:
       raise ValueError(f"Config.splits must be a positive int, 1 when persistent, got {self}")
 
 
-PERSISTENT_MAX_K = 2048
-PERSISTENT_MIN_M = 1024  # measured faster from there; below it (K > 2048) persistent is unmeasured
+SPLIT_MIN_K = 2048  # K in parts only beyond it (a short K runs persistent, measured faster)
 
 
 def smem_bytes(cfg: Config, out_dtype) -> int:
@@ -162,24 +161,26 @@ def smem_bytes(cfg: Config, out_dtype) -> int:
 
 def heuristics(m: int, n: int, k: int, out_dtype=jnp.bfloat16) -> Config:
   """The widest tile dividing N (fewer weight tiles re-read per activation tile) whose tiles
-  cover half the SMs, else the narrowest; 4 stages; persistent where K is short or M is at
-  least PERSISTENT_MIN_M; a 192-wide tile in two chunks when persistent, else in three (module
-  docstring); K in two parts where the tiles number at most half the SMs; 3 stages where 4 do
-  not fit the shared memory beside the output staging (a float32 output at 192).
+  cover half the SMs, else the narrowest; 4 stages; K in two parts where the tiles number at
+  most half the SMs and K is over SPLIT_MIN_K, else persistent; a 192-wide tile in two chunks
+  when persistent, else in three (module docstring); 3 stages where 4 do not fit the shared
+  memory beside the output staging (a float32 output at 192).
 
   From the H200 sweeps: at M = 4096 192 columns ran fastest wherever N allows; at M = 256,
   where 2 row tiles leave few column tiles, 64 columns took 24.8 us against 47.0 for 192 at
   (N, K) = (2112, 7168) (66 tiles against 22) and 29.5 against 42.0 for 128 at (4096, 8192)
   (128 against 64); K in two parts, at M = 256: 17.7 against 22.4 us at (2112, 7168) (66 tiles;
   20.7 in four parts), 17.6 against 22.3 at (2048, 7168), 83.8 against 71.3 at (7168, 16384)
-  (112 tiles), 35.4 against 26.6 at (4096, 8192) (128 tiles).
+  (112 tiles), 35.4 against 26.6 at (4096, 8192) (128 tiles); persistent against per tile
+  where K is not split, at M = 256: 28.4 against 30.7 us at (12288, 4096), 25.7 against 26.8 at
+  (4096, 8192), 63.3 against 63.7 at (7168, 16384); at M = 1024 1.02-1.16x faster.
   """
   widths = [bn for bn in (192, 128, 64) if n % bn == 0] or [64]  # N % 64: `check` declines
   block_n = next((bn for bn in widths if covers_half(m, n, bn)), widths[-1])
-  persistent = k <= PERSISTENT_MAX_K or m >= PERSISTENT_MIN_M
-  chunks = (2 if persistent else 3) if block_n == 192 else 1
   few = 2 * tiles(m, n, block_n) <= _target.sm_count()
-  splits = 2 if few and not persistent and (k // BLOCK_K) % 2 == 0 else 1
+  splits = 2 if few and k > SPLIT_MIN_K and (k // BLOCK_K) % 2 == 0 else 1
+  persistent = splits == 1
+  chunks = (2 if persistent else 3) if block_n == 192 else 1
   cfg = Config(block_n, persistent=persistent, chunks=chunks, splits=splits)
   while smem_bytes(cfg, out_dtype) > _target.HOPPER_SMEM_BYTES and cfg.stages > 1:
     cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
