@@ -43,7 +43,8 @@ H200, profiler kernel time of the whole call, fresh weights per call, pairs from
   tiles in one (890.3 against 946.2 us for 192 in three at (7168, 16384));
 - the persistent schedule: 1029.7 against 1228.0 us per-tile at (7168, 16384), M = 4096
   (measured with the per-column scales); at M = 1024, 1.02-1.16x faster over the five shapes
-  with K > 2048 (223.9 against 248.6 us at (7168, 16384), 97.2 against 112.8 at (12288, 4096));
+  with K > 2048 (223.9 against 248.6 us at (7168, 16384), 97.2 against 112.8 at (12288, 4096)),
+  at M = 256 1.01-1.08x where K is not split;
 - the scales loaded from global memory by the compute warpgroups (no TMA, no XLA ops to lay
   them out first) ran 0.93-1.29x the time (435.9 against 367.7 us at (12288, 4096),
   M = 4096): their latency lands on the rescale;
@@ -70,9 +71,9 @@ against 80.9% for cuBLAS's kernel (128 x 128 tiles, 6 stages, 2-CTA clusters), w
 turns the fresh accumulator's zeros into the first wgmma's accumulate-off flag) and keeps the
 L2 61% busy to this kernel's 75%; neither spills (168 registers a thread each). The compute
 warpgroups' largest stall is the wait for their own wgmma.
-At M = 4096 and 16384 it runs 0.86-0.90x cuBLAS's blockwise FP8 GEMM timed in the same run
-over the seven projection and expert shapes; at M = 256 1.37-1.38x where K is split
-(benchmarks/README.md).
+At M = 4096 and 16384 it runs 0.83-0.90x cuBLAS's blockwise FP8 GEMM timed in the same run
+over the seven projection and expert shapes, at M = 1024 0.79-1.04x; at M = 256 1.37-1.38x
+where K is split (benchmarks/README.md).
 """
 
 from __future__ import annotations
