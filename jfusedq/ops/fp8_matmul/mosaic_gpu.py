@@ -124,8 +124,7 @@ class Config:
   # group's wgmma is still on the tensor cores.
   chunks: int = 1
   # Persistent only: the tiles in bands of this many row tiles, M fastest within a band (16: a
-  # wave of 132 tiles spans about 16 x 8 of them; bands of 4 and 8 ran within 2% of it, 32
-  # 2-4% slower, at M = 4096 and 16384).
+  # wave of 132 tiles spans about 16 x 8 of them; the other widths measured: module docstring).
   band: int = 16
   # K in this many equal parts, one CTA each (per-tile schedule only): float32 partial
   # products that XLA sums, for a grid of tiles too small to fill the SMs.
