@@ -1,10 +1,11 @@
 """Triton kernel: (residual add) + RMSNorm + 1 x G FP8 quant (+ a second, norm-only input).
 
-One program owns `block_rows` whole rows, each a masked power-of-two block in registers (see
-`group_quant.triton`), so the row statistic, the group amax and the quantisation need no second
-read: bytes moved = x (+ residual in, residual out) + fp8 codes + scales (+ bf16 copy) (+ x2 in
-and out). Absent inputs are bound to x (never read) and absent outputs to one-element buffers
-(never written): a Triton signature is fixed, and optional pointers would need a kernel each.
+A program walks `block_rows` whole rows, each a masked power-of-two 1-D block in registers
+(see `group_quant.triton`, which also owns the tiling heuristics), so the row statistic, the
+group amax and the quantisation need no second read: bytes moved = x (+ residual in, residual
+out) + fp8 codes + scales (+ bf16 copy) (+ x2 in and out). Absent inputs are bound to x (never
+read) and absent outputs to one-element buffers (never written): a Triton signature is fixed,
+and optional pointers would need a kernel each.
 """
 
 from __future__ import annotations
@@ -15,57 +16,32 @@ import jax.numpy as jnp
 from jfusedq import _target, _triton
 from jfusedq._triton import tl
 from jfusedq.fp8 import Fp8Format
-from jfusedq.ops import _common
 from jfusedq.ops.group_quant import triton as gq
 from jfusedq.ops.group_quant.pallas import Config, to_fp8
-
-VECTOR = 8  # bf16 values in one 16-byte access
-MAX_THREADS = 1024
-
-
-def heuristics(rows: int, width: int, warp_size: int = 32) -> Config:
-  """Rows of >= 4096 padded values (all inputs): one row per program and one 16-byte vector
-  per thread of the widest input (7168 -> 32 warps); narrower rows:
-  `group_quant.triton.heuristics`.
-
-  With more values per thread, Triton holds the row 16 to a thread for the loads and the fp8
-  store but 8 for the bf16 residual store, and converts between the two through 16 KB of
-  shared memory per row; at 8 every access agrees. On the H200 that took 4096 x 7168 from
-  70.2 to 63.6 us (16 -> 32 warps) and 16384 x 4096 from 128.4 to 124.7 us (2 rows, 16 warps
-  -> 1 row, 16 warps); at 16384 x 1536 (width 2048), 4 rows of 16 warps (49.7 us) beat one
-  row of 8 warps (51.7 us), so narrower rows keep packing rows."""
-  if width < 4096:
-    return gq.heuristics(rows, width)
-  return Config(1, _common.pow2_floor(min(width // VECTOR, MAX_THREADS) // warp_size))
 
 
 @_triton.jit
 def _normalise(h, w_ptr, c, K: tl.constexpr, EPS: tl.constexpr, OFFSET: tl.constexpr):
-  """h [R, W] f32 (zero past K) -> h * rsqrt(mean(h^2) + eps) * (w + offset), overflow-safe
+  """h [W] f32 (zero past K) -> h * rsqrt(mean(h^2) + eps) * (w + offset), overflow-safe
   and NaN for a row holding a NaN or inf, as `reference.safe_rsqrt` (2**-80 its RESCALE,
   3.4028234663852886e38 the f32 maximum).
 
-  The weight is loaded as an [R, W] block, every row the same: in h's own layout, where a
-  vector would need a layout conversion to be broadcast. On the H200 that took the MLA pair
-  (16384 x 1536 + 512) from 47.9 to 42.9 us and left the other cases as they were.
-
-  The rescaled sum is taken only where a row's mean square is not finite (a branch uniform
+  The rescaled sum is taken only where the row's mean square is not finite (a branch uniform
   over the program): with a second reduction of every row and the group quant's selects per
   value the kernel took 70.4 against 63.9 us at 4096 x 7168 on the H200."""
-  ms = tl.sum(h * h, axis=1) * (1.0 / K)
+  ms = tl.sum(h * h, axis=0) * (1.0 / K)
   ok = ms <= 3.4028234663852886e38
-  if tl.min(ok.to(tl.int32)) == 0:
+  if not ok:
     hs = h * 8.271806125530277e-25
-    ms = tl.where(ok, ms, tl.sum(hs * hs, axis=1) * (1.0 / K))
+    ms = tl.sum(hs * hs, axis=0) * (1.0 / K)
   s = tl.where(ok, 1.0, 8.271806125530277e-25)
   inv = tl.math.rsqrt(ms + EPS * s * s)
   inv = tl.where(ms <= 3.4028234663852886e38, inv, ms - ms)  # inf - inf, NaN - NaN: NaN
-  cw = tl.broadcast_to(c[None, :], h.shape)
-  w = tl.load(w_ptr + cw, mask=cw < K, other=0.0).to(tl.float32)
+  w = tl.load(w_ptr + c, mask=c < K, other=0.0).to(tl.float32)
   if OFFSET != 0.0:  # a constant: no add per value for y * w
     w = w + OFFSET
   # h * s first, as the reference: s * inv can be subnormal where h * s is not.
-  return h * s[:, None] * inv[:, None] * w
+  return h * s * inv * w
 
 
 @_triton.jit
@@ -76,31 +52,32 @@ def rmsnorm_quant_kernel(x_ptr, res_ptr, w_ptr, x2_ptr, w2_ptr, rows, q_ptr, s_p
                          KEEP_HP: tl.constexpr, HAS_X2: tl.constexpr, QUANT: tl.constexpr,
                          G: tl.constexpr, FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr,
                          UE8M0: tl.constexpr, COL: tl.constexpr, FNUZ_BITS: tl.constexpr):
-  r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-  row_ok = r < rows
   c = tl.arange(0, BLOCK_K)
-  mask = row_ok[:, None] & (c < K)[None, :]
-  offs = r.to(tl.int64)[:, None] * K + c[None, :]
-  h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-  if HAS_RES:
-    # Round the sum to the residual dtype first: the norm reads what the stream carries.
-    h = h + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    h = h.to(res_out_ptr.dtype.element_ty)
-    tl.store(res_out_ptr + offs, h, mask=mask)
-    h = h.to(tl.float32)
-  y = _normalise(h, w_ptr, c, K, EPS, OFFSET)
-  if KEEP_HP:
-    tl.store(hp_ptr + offs, y.to(hp_ptr.dtype.element_ty), mask=mask)
-  if QUANT:
-    gq.store_quant(y, r, rows, offs, mask, q_ptr, s_ptr, K, G, FP8_MAX, INV_MAX, UE8M0, COL,
-                   FNUZ_BITS)
-  if HAS_X2:
-    c2 = tl.arange(0, BLOCK_K2)
-    mask2 = row_ok[:, None] & (c2 < K2)[None, :]
-    offs2 = r.to(tl.int64)[:, None] * K2 + c2[None, :]
-    h2 = tl.load(x2_ptr + offs2, mask=mask2, other=0.0).to(tl.float32)
-    y2 = _normalise(h2, w2_ptr, c2, K2, EPS2, OFFSET)
-    tl.store(y2_ptr + offs2, y2.to(y2_ptr.dtype.element_ty), mask=mask2)
+  for i in tl.static_range(BLOCK_ROWS):
+    row = tl.program_id(0) * BLOCK_ROWS + i
+    mask = (c < K) & (row < rows)
+    offs = row.to(tl.int64) * K + c
+    h = tl.load(x_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    if HAS_RES:
+      # Round the sum to the residual dtype first: the norm reads what the stream carries.
+      h = h + tl.load(res_ptr + offs, mask=mask, other=0.0,
+                      cache_modifier=".cg").to(tl.float32)
+      h = h.to(res_out_ptr.dtype.element_ty)
+      tl.store(res_out_ptr + offs, h, mask=mask)
+      h = h.to(tl.float32)
+    y = _normalise(h, w_ptr, c, K, EPS, OFFSET)
+    if KEEP_HP:
+      tl.store(hp_ptr + offs, y.to(hp_ptr.dtype.element_ty), mask=mask)
+    if QUANT:
+      gq.store_quant(y, row, rows, offs, mask, q_ptr, s_ptr, K, G, FP8_MAX, INV_MAX, UE8M0, COL,
+                     FNUZ_BITS)
+    if HAS_X2:
+      c2 = tl.arange(0, BLOCK_K2)
+      mask2 = (c2 < K2) & (row < rows)
+      offs2 = row.to(tl.int64) * K2 + c2
+      h2 = tl.load(x2_ptr + offs2, mask=mask2, other=0.0, cache_modifier=".cg").to(tl.float32)
+      y2 = _normalise(h2, w2_ptr, c2, K2, EPS2, OFFSET)
+      tl.store(y2_ptr + offs2, y2.to(y2_ptr.dtype.element_ty), mask=mask2)
 
 
 def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format | None, group_size,
@@ -117,8 +94,8 @@ def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format | N
   k2 = x2.shape[1] if has_x2 else 1
   width = gq.block_width(k, group_size if fmt else 1)
   width2 = gq.block_width(k2)
-  config = config or heuristics(rows, width + (width2 if has_x2 else 0),
-                                64 if target.platform == "rocm" else 32)
+  config = config or gq.heuristics(rows, max(width, width2 if has_x2 else 1),
+                                   64 if target.platform == "rocm" else 32)
   bt = config.block_rows
 
   unused = jax.ShapeDtypeStruct((1,), jnp.uint8)
