@@ -57,6 +57,12 @@ def rmsnorm_quant_kernel(x_ptr, res_ptr, w_ptr, x2_ptr, w2_ptr, rows, q_ptr, s_p
     row = tl.program_id(0) * BLOCK_ROWS + i
     mask = (c < K) & (row < rows)
     offs = row.to(tl.int64) * K + c
+    if HAS_X2:
+      # Loaded first, so that both rows' reads are in flight together.
+      c2 = tl.arange(0, BLOCK_K2)
+      mask2 = (c2 < K2) & (row < rows)
+      offs2 = row.to(tl.int64) * K2 + c2
+      h2 = tl.load(x2_ptr + offs2, mask=mask2, other=0.0, cache_modifier=".cg").to(tl.float32)
     h = tl.load(x_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     if HAS_RES:
       # Round the sum to the residual dtype first: the norm reads what the stream carries.
@@ -72,10 +78,6 @@ def rmsnorm_quant_kernel(x_ptr, res_ptr, w_ptr, x2_ptr, w2_ptr, rows, q_ptr, s_p
       gq.store_quant(y, row, rows, offs, mask, q_ptr, s_ptr, K, G, FP8_MAX, INV_MAX, UE8M0, COL,
                      FNUZ_BITS)
     if HAS_X2:
-      c2 = tl.arange(0, BLOCK_K2)
-      mask2 = (c2 < K2) & (row < rows)
-      offs2 = row.to(tl.int64) * K2 + c2
-      h2 = tl.load(x2_ptr + offs2, mask=mask2, other=0.0, cache_modifier=".cg").to(tl.float32)
       y2 = _normalise(h2, w2_ptr, c2, K2, EPS2, OFFSET)
       tl.store(y2_ptr + offs2, y2.to(y2_ptr.dtype.element_ty), mask=mask2)
 
