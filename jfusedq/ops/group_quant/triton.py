@@ -43,17 +43,20 @@ def block_width(k: int, group_size: int = 1) -> int:
   return width
 
 
-def heuristics(rows: int, width: int, warp_size: int = 32) -> Config:
-  """One row a program, one 16-byte vector of the row a thread (7168 -> 8192 values, 32 warps;
-  4096 -> 16). `width`: the widest padded row a program holds.
+def heuristics(rows: int, width: int, warp_size: int = 32,
+               per_thread: int = 2 * VECTOR) -> Config:
+  """One row a program, `per_thread` values of it a thread (`width`: the widest padded row a
+  program holds).
 
-  With more values a thread, Triton holds the row 16 to a thread for the loads and the fp8
-  store but 8 for the bf16 stores, and converts between the two through shared memory: at
-  16 warps for 8192 values the fused norm took 2.40 against 2.15 us at 1 x 7168 on the H200
-  (59.9 against 59.6 at 4096 x 7168). One row a program at 16384 x 1536 (8 warps) took 47.8
-  against 49.7 us for the earlier four rows of 16 warps."""
+  The quant alone reads bf16 and writes fp8: 16 values a thread are two 16-byte loads and one
+  16-byte store. A kernel that also stores bf16 (the fused norm) takes 8 (one 16-byte vector
+  for every access): with 16, Triton holds the row 16 to a thread for the loads and the fp8
+  store but 8 for the bf16 stores, and converts between the two through shared memory; at 16
+  warps for 8192 values the fused norm took 2.40 against 2.15 us at 1 x 7168 on the H200 (59.9
+  against 59.6 at 4096 x 7168). One row a program at 16384 x 1536 (8 warps) took 47.8 against
+  49.7 us for four rows of 16 warps."""
   del rows
-  threads = min(max(width // VECTOR, warp_size), MAX_THREADS)
+  threads = min(max(width // per_thread, warp_size), MAX_THREADS)
   return Config(1, _common.pow2_floor(threads // warp_size))
 
 

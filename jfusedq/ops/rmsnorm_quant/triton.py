@@ -97,7 +97,7 @@ def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format | N
   width = gq.block_width(k, group_size if fmt else 1)
   width2 = gq.block_width(k2)
   config = config or gq.heuristics(rows, max(width, width2 if has_x2 else 1),
-                                   64 if target.platform == "rocm" else 32)
+                                   64 if target.platform == "rocm" else 32, gq.VECTOR)
   bt = config.block_rows
 
   unused = jax.ShapeDtypeStruct((1,), jnp.uint8)
