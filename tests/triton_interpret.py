@@ -195,14 +195,22 @@ def _create_trans(self, arg, perm):
   return _contiguous(_trans(self, arg, perm))
 
 
+def _bool(mask):
+  # `&` of an int1 block and an int1 scalar leaves int32 data (Triton 3.6 - 3.9), which 3.9's
+  # load and store refuse ('mask has unsupported dtype').
+  mask = _contiguous(mask)
+  mask.data = mask.data.astype(bool, copy=False)
+  return mask
+
+
 def _create_masked_load(self, ptrs, mask, other, *rest):
-  ptrs, mask = _contiguous(ptrs), _contiguous(mask)
+  ptrs, mask = _contiguous(ptrs), _bool(mask)
   _in_bounds("load", ptrs, mask)
   return _load(self, ptrs, mask, _contiguous(other), *rest)
 
 
 def _create_masked_store(self, ptrs, value, mask, *rest):
-  ptrs, mask = _contiguous(ptrs), _contiguous(mask)
+  ptrs, mask = _contiguous(ptrs), _bool(mask)
   _in_bounds("store", ptrs, mask)
   return _store(self, ptrs, _contiguous(value), mask, *rest)
 

@@ -1,16 +1,14 @@
 """Triton kernel for 1 x G FP8 quantisation, and the quantise-and-store routine the fused
 kernels share.
 
-Layout: a program walks `block_rows` rows one after another, each held in registers as one
-power-of-two 1-D block of `width >= K` values (7168 -> 8192); masked loads and stores keep the
-padding out of memory, and the padding's zeros leave every group's amax as it is. No tiling
-constraint remains on T or K (unlike Pallas-Triton, which needs power-of-two chunks).
-
-Why a 1-D row: through XLA's Triton, the same kernel over a [1, W] block ran 1.06-1.14x the
-time of the 1-D one on the H200 (the fused norm: 129.7 against 122.0 us at 16384 x 4096, 66.0
-against 59.6 at 4096 x 7168, 2.51 against 2.15 at 1 x 7168), where Triton 3.6's own build of
-the two ran within 1-4% of each other. The streaming inputs are read with `.cg` (cached in L2
-only): 117.2 against 122.0 us at 16384 x 4096, 57.7 against 59.6 at 4096 x 7168.
+Layout: each program owns `block_rows` whole rows, each held in registers as one power-of-two
+block of `width >= K` columns (7168 -> 8192); masked loads and stores keep the padding out of
+memory, and the padding's zeros leave every group's amax as it is. Rows are masked too, so no
+tiling constraint remains on T or K (unlike Pallas-Triton, which needs power-of-two chunks).
+The fused norm holds its row as a 1-D block instead (`rmsnorm_quant.triton`); `store_quant`
+takes either. For the quant alone the 1-D row, one row a program, ran 1.00-1.13x the time of
+the [rows, W] blocks at T >= 4096 on the H200 in two runs (104.1 against 93.5 us at
+16384 x 7168, 54.5 against 52.6 at 16384 x 4096), so this kernel keeps them.
 
 FP8 codes: a native cast (round to nearest even) for e4m3fn, and for e4m3fnuz on gfx942 whose
 format it is; elsewhere (NVIDIA, gfx950) the kernel writes the fnuz bits computed with integer
@@ -30,9 +28,9 @@ from jfusedq.ops import _common
 from jfusedq.ops._dispatch import Unsupported
 from jfusedq.ops.group_quant.pallas import Config, to_fp8
 
-MAX_WIDTH = 32768  # padded f32 values per row in registers (32 per thread at 32 warps)
-VECTOR = 8  # bf16 values in one 16-byte access
-MAX_THREADS = 1024
+MAX_WIDTH = 32768  # padded f32 values per row in registers (64 per thread at 16 warps)
+TILE = 8192  # target elements per program (rows x width)
+PROGRAMS = 256  # keep about two programs per SM before packing rows together
 
 
 def block_width(k: int, group_size: int = 1) -> int:
@@ -43,21 +41,12 @@ def block_width(k: int, group_size: int = 1) -> int:
   return width
 
 
-def heuristics(rows: int, width: int, warp_size: int = 32,
-               per_thread: int = 2 * VECTOR) -> Config:
-  """One row a program, `per_thread` values of it a thread (`width`: the widest padded row a
-  program holds).
-
-  The quant alone reads bf16 and writes fp8: 16 values a thread are two 16-byte loads and one
-  16-byte store. A kernel that also stores bf16 (the fused norm) takes 8 (one 16-byte vector
-  for every access): with 16, Triton holds the row 16 to a thread for the loads and the fp8
-  store but 8 for the bf16 stores, and converts between the two through shared memory; at 16
-  warps for 8192 values the fused norm took 2.40 against 2.15 us at 1 x 7168 on the H200 (59.9
-  against 59.6 at 4096 x 7168). One row a program at 16384 x 1536 (8 warps) took 47.8 against
-  49.7 us for four rows of 16 warps."""
-  del rows
-  threads = min(max(width // per_thread, warp_size), MAX_THREADS)
-  return Config(1, _common.pow2_floor(threads // warp_size))
+def heuristics(rows: int, width: int) -> Config:
+  """~TILE elements per program (fewer rows while that leaves < PROGRAMS programs), ~16 per
+  thread. `width`: padded values per row, all inputs together."""
+  block_rows = min(_common.pow2_floor(TILE // width), _common.pow2_floor(rows // PROGRAMS))
+  num_warps = min(16, max(4, _common.pow2_floor(block_rows * width // 512)))
+  return Config(block_rows, num_warps)
 
 
 def fnuz_bits(fmt: Fp8Format, target: _target.Target) -> bool:
@@ -108,17 +97,22 @@ def _max_nan(a, b):
 
 
 @_triton.jit
-def store_quant(y, row, rows, offs, mask, q_ptr, s_ptr, K: tl.constexpr, G: tl.constexpr,
+def store_quant(y, r, rows, offs, mask, q_ptr, s_ptr, K: tl.constexpr, G: tl.constexpr,
                 FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr, UE8M0: tl.constexpr,
                 COL: tl.constexpr, FNUZ_BITS: tl.constexpr):
-  """Quantise f32 `y [W]` (row `row`, W a power-of-two multiple of G >= K, zero past K) in
-  groups of G and store its codes at `q_ptr + offs` and its scales in row or col layout."""
-  W: tl.constexpr = y.shape[0]
-  yg = tl.reshape(y, (W // G, G))
+  """Quantise f32 `y` in groups of G and store its codes at `q_ptr + offs` and its scales in
+  row or col layout: `y [R, W]` for the rows `r [R]`, or `y [W]` for the one row `r` (W a
+  power-of-two multiple of G >= K, zero past K)."""
+  ONE_ROW: tl.constexpr = len(y.shape) == 1
+  W: tl.constexpr = y.shape[len(y.shape) - 1]
+  if ONE_ROW:
+    yg = tl.reshape(y, (W // G, G))
+  else:
+    yg = tl.reshape(y, (y.shape[0], W // G, G))
   # A group holding a NaN or inf gets scale NaN and NaN codes (as the reference): the max and
   # the clamp propagate NaN, so its codes y * NaN stay NaN with no compare or select per value.
   # 3.4028234663852886e38 is the f32 maximum.
-  amax = tl.reduce(tl.abs(yg), 1, _max_nan)
+  amax = tl.reduce(tl.abs(yg), len(yg.shape) - 1, _max_nan)
   finite = amax <= 3.4028234663852886e38
   scale = tl.maximum(amax, 1e-10) * INV_MAX
   if UE8M0:
@@ -129,8 +123,9 @@ def store_quant(y, row, rows, offs, mask, q_ptr, s_ptr, K: tl.constexpr, G: tl.c
   # IEEE division, as XLA's: Triton's `/` is approximate and would move codes at midpoints.
   scale = tl.where(finite, scale, amax - amax)  # inf - inf, NaN - NaN: NaN
   inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-  q = tl.clamp(yg * inv[:, None], -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-  q = tl.reshape(q, (W,))
+  q = tl.clamp(yg * tl.expand_dims(inv, len(yg.shape) - 1), -FP8_MAX, FP8_MAX,
+               propagate_nan=tl.PropagateNan.ALL)
+  q = tl.reshape(q, y.shape)
   if FNUZ_BITS:
     codes = encode_fnuz(q)
   else:
@@ -138,11 +133,12 @@ def store_quant(y, row, rows, offs, mask, q_ptr, s_ptr, K: tl.constexpr, G: tl.c
   tl.store(q_ptr + offs, codes, mask=mask)
   NG: tl.constexpr = (K + G - 1) // G
   g = tl.arange(0, W // G)
-  s_mask = (g < NG) & (row < rows)
-  if COL:
-    s_offs = g * rows + row
+  if ONE_ROW:
+    s_mask = (g < NG) & (r < rows)
+    s_offs = g * rows + r if COL else r.to(tl.int64) * NG + g
   else:
-    s_offs = row.to(tl.int64) * NG + g
+    s_mask = (r < rows)[:, None] & (g < NG)[None, :]
+    s_offs = g[None, :] * rows + r[:, None] if COL else r[:, None] * NG + g[None, :]
   tl.store(s_ptr + s_offs, scale, mask=s_mask)
 
 
@@ -151,14 +147,13 @@ def group_quant_kernel(x_ptr, rows, q_ptr, s_ptr, K: tl.constexpr, BLOCK_K: tl.c
                        BLOCK_ROWS: tl.constexpr, G: tl.constexpr, FP8_MAX: tl.constexpr,
                        INV_MAX: tl.constexpr, UE8M0: tl.constexpr, COL: tl.constexpr,
                        FNUZ_BITS: tl.constexpr):
+  r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
   c = tl.arange(0, BLOCK_K)
-  for i in tl.static_range(BLOCK_ROWS):
-    row = tl.program_id(0) * BLOCK_ROWS + i
-    mask = (c < K) & (row < rows)
-    offs = row.to(tl.int64) * K + c
-    y = tl.load(x_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    store_quant(y, row, rows, offs, mask, q_ptr, s_ptr, K, G, FP8_MAX, INV_MAX, UE8M0, COL,
-                FNUZ_BITS)
+  mask = (r < rows)[:, None] & (c < K)[None, :]
+  offs = r.to(tl.int64)[:, None] * K + c[None, :]
+  y = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+  store_quant(y, r, rows, offs, mask, q_ptr, s_ptr, K, G, FP8_MAX, INV_MAX, UE8M0, COL,
+              FNUZ_BITS)
 
 
 def group_quant(x: jax.Array, fmt: Fp8Format, *, group_size: int, layout: str, ue8m0: bool,
@@ -168,7 +163,7 @@ def group_quant(x: jax.Array, fmt: Fp8Format, *, group_size: int, layout: str, u
   _triton.require(target)
   rows, k = x.shape
   width = block_width(k, group_size)
-  config = config or heuristics(rows, width, 64 if target.platform == "rocm" else 32)
+  config = config or heuristics(rows, width)
   bt = config.block_rows
   q, scale = _triton.call(
       group_quant_kernel, x, rows,

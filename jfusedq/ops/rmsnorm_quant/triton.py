@@ -1,11 +1,17 @@
 """Triton kernel: (residual add) + RMSNorm + 1 x G FP8 quant (+ a second, norm-only input).
 
-A program walks `block_rows` whole rows, each a masked power-of-two 1-D block in registers
-(see `group_quant.triton`, which also owns the tiling heuristics), so the row statistic, the
-group amax and the quantisation need no second read: bytes moved = x (+ residual in, residual
+A program walks `block_rows` whole rows one after another, each a masked power-of-two 1-D
+block in registers (see `group_quant.triton`), so the row statistic, the group amax and the
+quantisation need no second read: bytes moved = x (+ residual in, residual
 out) + fp8 codes + scales (+ bf16 copy) (+ x2 in and out). Absent inputs are bound to x (never
 read) and absent outputs to one-element buffers (never written): a Triton signature is fixed,
 and optional pointers would need a kernel each.
+
+Why a 1-D row: through XLA's Triton, the same kernel over a [1, W] block ran 1.06-1.14x the
+time of the 1-D one on the H200 (129.7 against 122.0 us at 16384 x 4096, 66.0 against 59.6 at
+4096 x 7168, 2.51 against 2.15 at 1 x 7168), where Triton 3.6's own build of the two ran within
+1-4% of each other. The streaming inputs are read with `.cg` (cached in L2 only): 117.2
+against 122.0 us at 16384 x 4096, 57.7 against 59.6 at 4096 x 7168.
 """
 
 from __future__ import annotations
@@ -16,8 +22,27 @@ import jax.numpy as jnp
 from jfusedq import _target, _triton
 from jfusedq._triton import tl
 from jfusedq.fp8 import Fp8Format
+from jfusedq.ops import _common
 from jfusedq.ops.group_quant import triton as gq
 from jfusedq.ops.group_quant.pallas import Config, to_fp8
+
+VECTOR = 8  # bf16 values in one 16-byte access
+MAX_THREADS = 1024
+
+
+def heuristics(rows: int, width: int, warp_size: int = 32, per_thread: int = VECTOR) -> Config:
+  """One row a program, `per_thread` values of its widest padded row (`width`) a thread.
+
+  8 (one 16-byte vector for every access) where the row is also stored in bf16 (the residual,
+  `hp`): with 16, Triton holds the row 16 to a thread for the loads and the fp8 store but 8
+  for the bf16 stores, and converts between the two through shared memory; on the H200 16
+  warps for 8192 values took 2.40 against 2.15 us at 1 x 7168 (59.9 against 59.6 at
+  4096 x 7168). Otherwise 16 (two 16-byte loads, one 16-byte fp8 store): the MLA pair took
+  40.6 against 48.0 us at 16384 x (1536 + 512) at 4 warps against 8. One row a program at
+  16384 x 1536 (8 warps) took 47.8 against 49.7 us for four rows of 16 warps."""
+  del rows
+  threads = min(max(width // per_thread, warp_size), MAX_THREADS)
+  return Config(1, _common.pow2_floor(threads // warp_size))
 
 
 @_triton.jit
@@ -96,13 +121,9 @@ def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format | N
   k2 = x2.shape[1] if has_x2 else 1
   width = gq.block_width(k, group_size if fmt else 1)
   width2 = gq.block_width(k2)
-  # 8 values a thread where the row is also stored in bf16 (`gq.heuristics`), else 16: the MLA
-  # pair (no residual) took 40.6 against 48.0 us at 16384 x (1536 + 512) on the H200 at 4
-  # warps against 8.
-  bf16_row = has_res or keep_hp
-  config = config or gq.heuristics(rows, max(width, width2 if has_x2 else 1),
-                                   64 if target.platform == "rocm" else 32,
-                                   gq.VECTOR if bf16_row else 2 * gq.VECTOR)
+  config = config or heuristics(rows, max(width, width2 if has_x2 else 1),
+                                64 if target.platform == "rocm" else 32,
+                                VECTOR if has_res or keep_hp else 2 * VECTOR)
   bt = config.block_rows
 
   unused = jax.ShapeDtypeStruct((1,), jnp.uint8)
