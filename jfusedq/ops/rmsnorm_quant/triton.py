@@ -1,7 +1,7 @@
 """Triton kernel: (residual add) + RMSNorm + 1 x G FP8 quant (+ a second, norm-only input).
 
 A program walks `block_rows` whole rows one after another, each a masked power-of-two 1-D
-block in registers (see `group_quant.triton`), so the row statistic, the group amax and the
+block in registers (padding and masks as in `group_quant.triton`), so the row statistic, the group amax and the
 quantisation need no second read: bytes moved = x (+ residual in, residual
 out) + fp8 codes + scales (+ bf16 copy) (+ x2 in and out). Absent inputs are bound to x (never
 read) and absent outputs to one-element buffers (never written): a Triton signature is fixed,
