@@ -7,12 +7,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import (FORMATS, activations, assert_outputs_close, assert_quant_close,
+from helpers import (FORMATS, TRITON, activations, assert_outputs_close, assert_quant_close,
                      implementations, named, oracle_quant, oracle_rmsnorm, rng, weights)
 from jfusedq import (Fp8Format, QuantizedActivation, Unsupported, _target, group_quant,
                      rmsnorm_quant)
 from jfusedq.ops import _dispatch
-from jfusedq.ops.rmsnorm_quant import api as rmsnorm_quant_api
+from jfusedq.ops.rmsnorm_quant import triton as rq_triton
 from jfusedq.ops.group_quant import Config
 from jfusedq.ops.group_quant import pallas as gq_pallas
 from jfusedq.testing import EDGE_WIDTHS, WIDTHS
@@ -240,10 +240,37 @@ def test_default_order_is_triton_first():
   assert _dispatch.default_order(_target.Target("cpu", "cpu")) == ("xla",)
 
 
-@pytest.mark.parametrize("rows,h,first", [
-    (4096, 5120, "pallas"), (16384, 2560, "pallas"),  # 37.5% of an 8192 / 4096 block padding
-    (4095, 5120, "triton"), (64, 5120, "triton"),  # at T = 64 Triton ran 1.16x Pallas's speed
-    (16384, 7168, "triton"), (16384, 1536, "triton"), (16384, 4096, "triton")])
-def test_gpu_order_puts_pallas_first_on_padded_rows(rows, h, first):
-  order = rmsnorm_quant_api.gpu_order(rows, h)
-  assert order[0] == first and sorted(order) == ["pallas", "triton", "xla"]
+@pytest.mark.parametrize("rows,k,g,want", [
+    (16384, 5120, 128, (4096, 1024, 0)), (4096, 1536, 128, (1024, 512, 0)),
+    (16384, 7168, 128, (8192, 0, 0)),  # 12.5% padding: one block
+    (4095, 5120, 128, (8192, 0, 0)),  # below SPLIT_MIN_ROWS: one block
+    (4096, 5000, 128, (4096, 512, 512)),  # three pieces, the last padded
+    (4096, 576, 128, (512, 128, 0)),  # the tail group its own piece
+    (4096, 100, 128, (128, 0, 0)), (4096, 3, 1, (2, 1, 0))])
+def test_triton_row_pieces(rows, k, g, want):
+  assert rq_triton.pieces(rows, k, g) == want
+
+
+@pytest.mark.parametrize("g", [1, 64, 128])
+def test_triton_row_pieces_cover_the_row(g):
+  for k in range(1, 9000, 37):
+    p = [w for w in rq_triton.pieces(4096, k, g) if w]
+    assert sum(p) >= k and sum(p) - k < p[-1], (k, p)
+    assert p == sorted(p, reverse=True) and all(w % g == 0 and w & (w - 1) == 0 for w in p)
+
+
+@pytest.mark.parametrize("impl", [TRITON])
+@pytest.mark.parametrize("hidden", [5120, 5000, W["deepseek_v3.kv_a"]])
+def test_split_rows_every_output(monkeypatch, impl, hidden):
+  """The row in pieces at a few rows (SPLIT_MIN_ROWS lowered): every output against XLA, with
+  a row holding an inf, one whose h * h overflows f32, and a zero row."""
+  monkeypatch.setattr(rq_triton, "SPLIT_MIN_ROWS", 1)
+  x, res, w, x2, w2 = inputs(("split", hidden), (6, hidden), x2=W["deepseek_v3.kv_lora"])
+  x = x.at[1, hidden - 1].set(jnp.inf).at[2].set(3e38 / 2).at[3].set(0.0)
+  res = res.at[2].set(0.0).at[3].set(0.0)
+  kw = dict(residual=res, x2=x2, weight2=w2, keep_hp=True)
+  got, want = run_both(impl, x, w, **kw)
+  assert np.isnan(np.asarray(got.quant.scale[1])).all()
+  clean = np.array([0, 2, 3, 4, 5])
+  pick = lambda out: jax.tree.map(lambda a: a[clean], out)
+  assert_outputs_close(pick(got), pick(want))

@@ -8,7 +8,7 @@ import jax
 
 from jfusedq.errors import DTypeError, InputError
 from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation, resolve_format
-from jfusedq.ops import _common, _dispatch
+from jfusedq.ops import _common
 from jfusedq.ops._dispatch import declare, dispatch
 from jfusedq.ops.group_quant import pallas as gq_pallas
 from jfusedq.ops.rmsnorm_quant import pallas, reference, triton
@@ -17,21 +17,9 @@ from jfusedq.ops.rmsnorm_quant.reference import RmsNormQuantOutput
 declare("rmsnorm_quant", ("pallas", "triton", "xla"))
 
 
-# Triton first (_dispatch.GPU_ORDER): on the H200 it ran 1.10-1.18x the Pallas kernel's speed
-# at T >= 4096 for H = 2048, 4096 and 7168. Triton holds a row as one power-of-two block
-# (5120 -> 8192, 37.5% of its lanes idle) where Pallas holds power-of-two chunks, so Pallas goes
-# first where more than a quarter of the block would be padding, from T = 4096: at H = 5120 it
-# ran 1.05-1.08x Triton's speed there (0.86x at T = 64). Without `triton` installed it declines
+# Triton first (_dispatch.GPU_ORDER): on the H200 it ran 1.07-1.29x the Pallas kernel's speed
+# at T >= 4096 for H = 1536, 2048, 4096, 5120 and 7168. Without `triton` installed it declines
 # and Pallas runs.
-PALLAS_MIN_ROWS, PALLAS_MIN_PADDING = 4096, 0.25
-
-
-def gpu_order(rows: int, h: int) -> tuple[str, ...]:
-  """The GPU backends for `rows` rows of width `h`, best first (measured, above)."""
-  padding = 1 - h / _common.pow2_ceil(h)  # Triton's block (group_quant.triton.block_width)
-  if rows >= PALLAS_MIN_ROWS and padding > PALLAS_MIN_PADDING:
-    return ("pallas", "triton", "xla")
-  return _dispatch.GPU_ORDER
 
 
 def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None = None,
@@ -63,7 +51,7 @@ def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None
     keep_hp: also return the normalised activation in x.dtype (`quant.hp`).
     x2, weight2, eps2: the optional second, norm-only input (eps2 defaults to eps).
     implementation: "triton", "pallas", "xla", a sequence tried in order, or None
-      (`gpu_order(T, H)` on a GPU, else XLA).
+      (Triton, Pallas, XLA on a GPU; else XLA).
     config: rows and warps per program (Pallas and Triton); default from each one's heuristics.
   Returns:
     RmsNormQuantOutput(quant, residual, norm2); residual / norm2 are None when not asked for.
@@ -91,8 +79,7 @@ def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None
     return run
 
   return dispatch("rmsnorm_quant", {"pallas": rowwise(pallas), "triton": rowwise(triton),
-                                    "xla": xla}, implementation,
-                  gpu_order=gpu_order(_common.rows(x), x.shape[-1]))
+                                    "xla": xla}, implementation)
 
 
 def check_inputs(x, weight, residual, group_size, layout, x2, weight2) -> None:
