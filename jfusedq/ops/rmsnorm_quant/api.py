@@ -17,7 +17,7 @@ from jfusedq.ops.rmsnorm_quant.reference import RmsNormQuantOutput
 declare("rmsnorm_quant", ("pallas", "triton", "xla"))
 
 
-# Triton first (_dispatch.GPU_ORDER): on the H200 it ran 1.07-1.29x the Pallas kernel's speed
+# Triton first (_dispatch.GPU_ORDER): on the H200 it ran 1.05-1.29x the Pallas kernel's speed
 # at T >= 4096 for H = 1536, 2048, 4096, 5120 and 7168. Without `triton` installed it declines
 # and Pallas runs.
 
