@@ -136,7 +136,13 @@ def row_ops():
   x2 = jnp.asarray(r.standard_normal((6, 576)), jnp.bfloat16)
   w2 = jnp.asarray(r.standard_normal(576), jnp.bfloat16)
   fnuz = Fp8Format.e4m3fnuz()
+  # The bandwidth tilings: the norm's row in pieces (5120 = 4096 + 1024), the quant's 4 warps.
+  xb = jnp.asarray(r.standard_normal((4096, 5120)), jnp.bfloat16)
+  wb = jnp.asarray(r.standard_normal(5120), jnp.bfloat16)
   return [lambda: group_quant(x, implementation="triton"),
+          lambda: group_quant(xb, fmt=fnuz, implementation="triton"),
+          lambda: rmsnorm_quant(xb, wb, residual=xb, keep_hp=True, fmt=fnuz, layout="col",
+                                implementation="triton"),
           lambda: group_quant(x, fmt=fnuz, group_size=64, layout="col", ue8m0=True,
                               implementation="triton"),
           lambda: rmsnorm_quant(x, w, residual=res, x2=x2, weight2=w2, keep_hp=True,
@@ -166,7 +172,9 @@ def matmul_ops(fmt):
 def test_row_kernels_compile(monkeypatch, target):
   pytest.importorskip("triton")
   calls = recorded_calls(monkeypatch, target, row_ops())
-  assert len(calls) == 4
+  assert len(calls) == 6
+  assert [(c[5]["P0"], c[5]["P1"]) for c in calls if "P1" in c[5]][:1] == [(4096, 1024)]
+  assert [c[3] for c in calls if c[0].__name__ == "group_quant_kernel"][1] == 4  # warps
   for call in calls:
     compile_call(target, call)
 
