@@ -32,7 +32,8 @@ MAX_THREADS = 1024
 
 
 def heuristics(rows: int, width: int, warp_size: int = 32, per_thread: int = VECTOR) -> Config:
-  """One row a program, `per_thread` values of its widest padded row (`width`) a thread.
+  """One row a program, `per_thread` values a thread of its widest row as held in registers
+  (`width`: the padded block, or the sum of the pieces).
 
   8 (one 16-byte vector for every access) where the row is also stored in bf16 (the residual,
   `hp`): with 16, Triton holds the row 16 to a thread for the loads and the fp8 store but 8
@@ -60,8 +61,8 @@ def pieces(rows: int, k: int, group_size: int = 1) -> tuple[int, int, int]:
 
   One block of `gq.block_width` (7168 -> 8192) unless the split applies (above): then the
   binary digits of k (5120 -> 4096 + 1024, 1536 -> 1024 + 512), the last of MAX_PIECES padded
-  to cover the rest and every block a multiple of `group_size`, so no group straddles two.
-  Every DeepSeek-V3 and Qwen3.5 width splits exactly."""
+  to cover the rest and every block a multiple of `group_size`, so no group straddles two
+  (576 -> 512 + 128 in groups of 128)."""
   width = gq.block_width(k, group_size)
   if rows < SPLIT_MIN_ROWS or 1 - k / width < SPLIT_MIN_PADDING:
     return (width, 0, 0)
