@@ -26,6 +26,7 @@ from jfusedq.fp8 import Fp8Format
 from jfusedq.ops import _common
 from jfusedq.ops.group_quant import triton as gq
 from jfusedq.ops.group_quant.pallas import Config, to_fp8
+from jfusedq.ops.rmsnorm_quant import reference
 
 VECTOR = 8  # bf16 values in one 16-byte access
 MAX_THREADS = 1024
@@ -136,7 +137,7 @@ def rmsnorm_quant_kernel(x_ptr, res_ptr, w_ptr, x2_ptr, w2_ptr, rows, q_ptr, s_p
                          OFFSET: tl.constexpr, HAS_RES: tl.constexpr, KEEP_HP: tl.constexpr,
                          HAS_X2: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr,
                          FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr, UE8M0: tl.constexpr,
-                         COL: tl.constexpr, FNUZ_BITS: tl.constexpr):
+                         COL: tl.constexpr, FNUZ_BITS: tl.constexpr, RESCALE: tl.constexpr):
   # The row's blocks (`pieces`): P0 at column 0, P1 after it, P2 after both; 0 = absent.
   # Every load is issued before the first value is used, so all of a row's reads are in flight
   # together; `if P1 > 0` and the like are resolved at compile time.
@@ -145,10 +146,10 @@ def rmsnorm_quant_kernel(x_ptr, res_ptr, w_ptr, x2_ptr, w2_ptr, rows, q_ptr, s_p
     c1 = P0 + tl.arange(0, P1)
   if P2 > 0:
     c2 = P0 + P1 + tl.arange(0, P2)
-  # A row holding a NaN or inf has a non-finite mean square; the sum is then taken again of
-  # h * 2**-80 (`reference.safe_rsqrt`), a branch uniform over the program: with a second
-  # reduction of every row the kernel took 70.4 against 63.9 us at 4096 x 7168 on the H200.
-  RESCALE: tl.constexpr = 8.271806125530277e-25
+  # A row whose mean square is not finite (h * h overflowing f32, or a NaN or inf in the row)
+  # has its sum taken again of h * RESCALE (`reference.safe_rsqrt`), a branch uniform over the
+  # program: with a second reduction of every row the kernel took 70.4 against 63.9 us at
+  # 4096 x 7168 on the H200.
   for i in tl.static_range(BLOCK_ROWS):
     row = tl.program_id(0) * BLOCK_ROWS + i
     ok_row = row < rows
@@ -248,6 +249,6 @@ def rmsnorm_quant(x, weight, *, residual, eps, weight_offset, fmt: Fp8Format | N
       num_warps=config.num_warps, num_stages=1, K=k, P0=blocks[0], P1=blocks[1], P2=blocks[2],
       K2=k2, BLOCK_K2=width2, BLOCK_ROWS=bt, EPS=eps, EPS2=eps2 if has_x2 else eps,
       OFFSET=weight_offset, HAS_RES=has_res, KEEP_HP=keep_hp, HAS_X2=has_x2, QUANT=fmt is not None,
-      **params)
+      RESCALE=reference.RESCALE, **params)
   return (to_fp8(q, fmt) if fmt else None, scale if fmt else None, res_out if has_res else None,
           hp if keep_hp else None, norm2 if has_x2 else None)
