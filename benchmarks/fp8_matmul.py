@@ -71,6 +71,7 @@ import _harness  # noqa: E402
 from jfusedq import Unsupported, _target, default_format, fp8_matmul, group_quant  # noqa: E402
 from jfusedq.nn import quantize_weight  # noqa: E402
 from jfusedq.ops.fp8_matmul import mosaic_gpu as mm_mosaic  # noqa: E402
+from jfusedq.ops.fp8_matmul import scale_layout  # noqa: E402
 from jfusedq.ops.fp8_matmul import pallas as mm_pallas  # noqa: E402
 from jfusedq.ops.fp8_matmul import triton as mm_triton  # noqa: E402
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight  # noqa: E402
@@ -124,8 +125,9 @@ def make_problem(m, n, k, seed):
       w = jax.random.normal(kw, (n, k), jnp.float32)
       qw, sw = quantize_weight(w, _fmt())
       x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-      # Inputs from XLA's quantiser: each new shape costs an XLA compile, not a Triton kernel's.
-      qa = group_quant(x, fmt=_fmt(), implementation="xla")
+      # Inputs from XLA's quantiser (each new shape costs an XLA compile, not a Triton
+      # kernel's), their scales in the layout the fused norm hands this M.
+      qa = group_quant(x, fmt=_fmt(), layout=scale_layout(m), implementation="xla")
       sets.append((x, qa, qw, sw, w.astype(jnp.bfloat16)))
     return sets
   return make

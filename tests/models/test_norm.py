@@ -5,6 +5,7 @@ input under tensor parallelism, and the dual-input (MLA) form."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -86,3 +87,33 @@ def test_dual():
   np.testing.assert_array_equal(np.asarray(y2, np.float32), np.asarray(b(x2), np.float32))
   np.testing.assert_array_equal(np.asarray(want.norm2, np.float32),
                                 np.asarray(b(x2), np.float32))
+
+
+@pytest.mark.parametrize("t", [255, 256])
+def test_scales_in_the_projections_layout(t):
+  """The tuple's scales come in the layout the FP8 projection reads without a transpose
+  (`fp8_matmul.scale_layout`: column from 256 rows), from the fused, the all-reduce and the
+  dual path; the codes and scales are the row-layout op's."""
+  r = rng("norm-layout", t)
+  x, res, x2 = activations(r, (t, 576)), activations(r, (t, 576)), activations(r, (t, 128))
+  layout = "col" if t >= 256 else "row"
+  norm = _norm(quant=True)
+  w = norm.weight[...]
+  want = rmsnorm_quant(x, w, residual=res, eps=1e-5, fmt="e4m3fn").quant
+  n = 2
+  mesh = jax.make_mesh((n,), ("tp",), devices=jax.devices()[:n])
+  reduced = jax.shard_map(lambda p, r: _norm(quant=True, axis_name="tp")(p[0], r)[0],
+                          mesh=mesh, in_specs=(P("tp"), P()), out_specs=P(), check_vma=False)
+  second = RMSNorm(128, eps=1e-6, rngs=nnx.Rngs(1))
+  outs = {"fused": norm(x, res)[0],
+          "all-reduce": jax.jit(reduced)(
+              jax.device_put(jnp.stack([x, jnp.zeros_like(x)]), NamedSharding(mesh, P("tp"))),
+              jax.device_put(res, NamedSharding(mesh, P()))),
+          "dual": norm.dual(x, second, x2)[0]}
+  for path, q in outs.items():
+    assert q.layout == layout, path
+  fused = outs["fused"]
+  np.testing.assert_array_equal(np.asarray(fused.row_scale()), np.asarray(want.scale))
+  np.testing.assert_array_equal(np.asarray(fused.q, np.float32), np.asarray(want.q, np.float32))
+  # Compiled as one program the XLA path may round a scale differently (test_all_reduce_path).
+  assert_quant_close(outs["all-reduce"].with_layout("row"), want)

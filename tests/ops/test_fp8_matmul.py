@@ -472,6 +472,22 @@ def test_mosaic_gpu_copies_no_rows(m, copies):
   assert ("stablehlo.pad" in text) == copies and ("stablehlo.slice" in text) == copies
 
 
+@pytest.mark.parametrize("m_shape", [(255,), (2, 128)])
+def test_bf16_input_quantised_in_scale_layout(monkeypatch, m_shape):
+  # A bf16 activation is quantised with its scales in the layout the projection reads as
+  # stored (column from 256 rows: no transpose before the Mosaic GPU kernel); same product.
+  layouts = []
+  quant = mm_api.group_quant
+  monkeypatch.setattr(mm_api, "group_quant",
+                      lambda *a, **kw: layouts.append(kw["layout"]) or quant(*a, **kw))
+  x, qw, sw = problem(("layout", *m_shape), m_shape, 192, 384)
+  got = fp8_matmul(x, qw, sw, implementation="xla")
+  assert layouts == ["col" if np.prod(m_shape) >= 256 else "row"]
+  row = quant(x, fmt="e4m3fn", layout="row", implementation="xla")
+  np.testing.assert_array_equal(np.asarray(got),
+                                np.asarray(fp8_matmul(row, qw, sw, implementation="xla")))
+
+
 @pytest.mark.parametrize("m,n,k,first", [
     (1, 2112, 7168, "triton"), (16, 7168, 16384, "triton"), (17, 2112, 7168, "triton"),
     (64, 24576, 1536, "triton"), (255, 24576, 1536, "triton"),
