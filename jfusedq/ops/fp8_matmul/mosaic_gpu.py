@@ -71,9 +71,9 @@ against 80.9% for cuBLAS's kernel (128 x 128 tiles, 6 stages, 2-CTA clusters), w
 turns the fresh accumulator's zeros into the first wgmma's accumulate-off flag) and keeps the
 L2 61% busy to this kernel's 75%; neither spills (168 registers a thread each). The compute
 warpgroups' largest stall is the wait for their own wgmma.
-At M = 4096 and 16384 it runs 0.83-0.90x cuBLAS's blockwise FP8 GEMM timed in the same run
-over the seven projection and expert shapes, at M = 1024 0.79-1.04x; at M = 256 1.37-1.38x
-where K is split (benchmarks/README.md).
+At M = 4096 and 16384 it runs 0.85-0.90x cuBLAS's blockwise FP8 GEMM timed in the same run
+over the seven projection and expert shapes, at M = 1024 0.82-1.10x; at M = 256 1.49-1.53x
+where K is split, 0.80-1.07x elsewhere (benchmarks/README.md).
 """
 
 from __future__ import annotations
