@@ -55,6 +55,10 @@ H200, profiler kernel time of the whole call, fresh weights per call, pairs from
 - each K block's rescale deferred to the next step, to run beside that block's wgmma (a third
   accumulator, so 128 columns at most): 910.8 against 833.2 us at (7168, 16384), M = 4096
   (persistent, 4 stages), 296.9 against 247.6 at M = 1024 (per tile);
+- each chunk's wgmma for the next K block issued as soon as the chunk's rescale had read its
+  product (the blocks released one step late, the products' accumulators carried across the
+  loop and zeroed before each issue): the same bits at 1.4-4.9x the time (1218.9 against 784.5
+  us at (7168, 16384), M = 4096, in two chunks of 64; 1808.2 against 370.4 at (12288, 4096));
 - at (7168, 16384), M = 4096, the other 24 configs of a sweep all ran slower than the
   heuristic's pick (836.8 us): 3 stages 859.5, 5 stages 868.5, per tile 903.8, two chunks
   930.3, K in two parts 1087.6, 64 columns 1213.9 or more.
