@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import jax
@@ -13,6 +12,7 @@ from jax import lax
 from jfusedq.errors import InputError
 from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation
 from jfusedq.nn.linear import check_input, check_sizes
+from jfusedq.ops import _common
 from jfusedq.ops.fp8_matmul import scale_layout
 from jfusedq.ops.rmsnorm import rmsnorm
 from jfusedq.ops.rmsnorm_quant import rmsnorm_quant
@@ -69,7 +69,7 @@ class RMSNorm(nnx.Module):
     w = self.weight[...]
     # The projection's layout: writing column-layout scales cost the norm kernel 1.00-1.04x
     # the time at T = 256-16384 (H200), less than the transpose it saves the GEMM.
-    layout = scale_layout(math.prod(x.shape[:-1]))
+    layout = scale_layout(_common.rows(x))
     if quant and self.axis_name is not None:
       y, h = allreduce_rmsnorm_quant(x, residual, w, axis_name=self.axis_name, eps=self.eps,
                                      weight_offset=self.weight_offset,
@@ -103,6 +103,6 @@ class RMSNorm(nnx.Module):
     out = rmsnorm_quant(x.astype(self.dtype), self.weight[...], x2=x2.astype(second.dtype),
                         weight2=second.weight[...], eps=self.eps, eps2=second.eps,
                         weight_offset=self.weight_offset, group_size=self.group_size,
-                        fmt=self.fmt, layout=scale_layout(math.prod(x.shape[:-1])),
+                        fmt=self.fmt, layout=scale_layout(_common.rows(x)),
                         ue8m0=self.ue8m0, implementation=self.implementation)
     return out.quant, out.norm2
