@@ -162,7 +162,8 @@ def sweep_configs(impl: str, m: int, n: int, k: int) -> list:
     # Tile widths dividing N, 2 to 6 TMA stages (as many as fit beside the output staging),
     # both schedules at every width (a persistent 64-wide grid of 2 tiles an SM against a
     # 128-wide one just over a wave); the wgmma in column chunks (192: 96 or 64 a chunk, 128:
-    # 64); 256 columns; K in 2 or 4 parts at the heuristic's width; the persistent bands.
+    # 64); 256 columns; K in 2 or 4 parts at the heuristic's width; the persistent bands; the
+    # warpgroups taking turns.
     fits = lambda c: mm_mosaic.smem_bytes(c, jnp.bfloat16) <= _target.HOPPER_SMEM_BYTES
     cands = [mm_mosaic.Config(bn, st) for bn in (64, 128, 192) if n % bn == 0
              for st in range(2, 7)]
@@ -179,6 +180,11 @@ def sweep_configs(impl: str, m: int, n: int, k: int) -> list:
     if h.persistent:
       cands += [dataclasses.replace(h, band=b) for b in sorted({4, 8, 32, mt})
                 if b < mt or b == mt > h.band]
+    # The compute warpgroups taking turns at the tensor cores: at the pick and at the
+    # persistent widths in one or two chunks.
+    cands += [dataclasses.replace(c, pingpong=True) for c in
+              [h, *(mm_mosaic.Config(bn, 4, persistent=True, chunks=ch)
+                    for bn, ch in ((128, 1), (192, 1), (192, 2)) if n % bn == 0)]]
     for sp in (2, 4):  # float32 partials staged: the most stages that fit
       c = mm_mosaic.Config(h.block_n, 4, chunks=3 if h.block_n == 192 else 1, splits=sp)
       while not fits(c) and c.stages > 2:

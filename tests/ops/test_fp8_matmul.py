@@ -2,6 +2,8 @@
 matmul of the dequantised operands; input kinds, odd shapes, every heuristic config, the Mosaic
 GPU kernel, errors, lowering."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -343,13 +345,40 @@ def test_mosaic_gpu(impl, m_shape, n, k, layout, config):
 ], ids=str)
 @pytest.mark.parametrize("impl", [MOSAIC_GPU])
 def test_mosaic_gpu_persistent(monkeypatch, impl, m, n, k, layout, config):
-  # Four SMs: every CTA walks two or three tiles (a ragged count), reusing the pipeline's
-  # buffers and the output staging, on the interpreter and on a real GPU alike.
+  run_on_four_sms(monkeypatch, impl, ("mosaic_persistent", m, n, k), m, n, k, layout, config)
+
+
+def run_on_four_sms(monkeypatch, impl, key, m, n, k, layout, config):
+  """The Mosaic GPU kernel's product under `config` on four SMs, checked against XLA's.
+
+  Four SMs: every persistent CTA walks two or three tiles (a ragged count), reusing the
+  pipeline's buffers and the output staging, on the interpreter and on a real GPU alike."""
   monkeypatch.setattr("jfusedq._target.sm_count", lambda device_kind=None: 4)
-  x, qw, sw = problem(("mosaic_persistent", m, n, k), (m,), n, k)
+  x, qw, sw = problem(key, (m,), n, k)
   qa = group_quant(x, layout=layout, implementation="xla")
-  assert_close(fp8_matmul(qa, qw, sw, implementation=impl, config=config),
-               fp8_matmul(qa, qw, sw, implementation="xla"))
+  got = fp8_matmul(qa, qw, sw, implementation=impl, config=config)
+  assert_close(got, fp8_matmul(qa, qw, sw, implementation="xla"))
+  return got
+
+
+# The compute warpgroups taking turns at the tensor cores change the order of the issues
+# only: the same bits as left to drift, per tile and persistent (the turns starting again at
+# each of a CTA's tiles), in one chunk, in two chunks waited for in turn, and in chunks one
+# after another (256 columns, a handoff around each chunk). A lost handoff hangs the interpreter
+# as it would the GPU.
+@pytest.mark.parametrize("m,n,k,layout,config", [
+    (130, 192, 512, "col", MosaicConfig(64, stages=2)),
+    (130, 320, 768, "row", MosaicConfig(192, stages=2, chunks=3, splits=3)),
+    (130, 320, 384, "col", MosaicConfig(256, stages=2, chunks=2)),
+    (300, 384, 384, "row", MosaicConfig(192, stages=2, persistent=True, chunks=2)),
+    (300, 320, 384, "col", MosaicConfig(128, stages=3, persistent=True)),
+], ids=str)
+@pytest.mark.parametrize("impl", [MOSAIC_GPU])
+def test_mosaic_gpu_pingpong(monkeypatch, impl, m, n, k, layout, config):
+  run = lambda cfg: run_on_four_sms(monkeypatch, impl, ("mosaic_pingpong", m, n, k), m, n, k,
+                                    layout, cfg)
+  np.testing.assert_array_equal(np.asarray(run(dataclasses.replace(config, pingpong=True))),
+                                np.asarray(run(config)))
 
 
 @pytest.mark.parametrize("mt,nt,band", [(3, 5, 2), (32, 56, 16), (128, 24, 16), (5, 3, 16),
@@ -412,6 +441,8 @@ def test_mosaic_gpu_declines(impl):
     MosaicConfig(128, persistent=True, band=0)
   with pytest.raises(ValueError, match="splits"):
     MosaicConfig(128, persistent=True, splits=2)
+  with pytest.raises(ValueError, match="pingpong"):  # one stage: the turns would deadlock
+    MosaicConfig(128, stages=1, pingpong=True)
   x, qw, sw = problem(("mosaic_splits",), (3,), 128, 384)
   with pytest.raises(InputError, match="unequal parts"):  # 3 K blocks in 2 parts
     fp8_matmul(x, qw, sw, implementation=impl, config=MosaicConfig(64, splits=2))
@@ -439,6 +470,7 @@ def test_mosaic_gpu_fits_shared_memory():
     # K in parts stages float32 partials: 64 columns, where 192 would overflow shared memory.
     (MosaicConfig(64, splits=2), jnp.bfloat16),
     (MosaicConfig(256, 3, persistent=True, chunks=2), jnp.bfloat16),  # 3 stages fit at 256
+    (MosaicConfig(192, persistent=True, chunks=2, pingpong=True), jnp.bfloat16),
 ], ids=str)
 def test_mosaic_gpu_lowers(target, config, out_dtype):
   S = jax.ShapeDtypeStruct

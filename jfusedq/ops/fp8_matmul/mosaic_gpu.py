@@ -29,7 +29,11 @@ bands of `band` row tiles, M fastest within a band: `tile_order`), each a pipeli
 pipeline's buffers allocated once so the memory warpgroup runs ahead into the next tile (the
 store stays out of the step: moving it in cost 1-25% more than the refills saved).
 `chunks = 2` issues the tile's columns as two wgmma groups and rescales the first while the
-second runs. `splits` (per-tile only) gives each tile that many CTAs, each a part of K, storing
+second runs. `pingpong` makes the compute warpgroups take turns at issuing (a barrier of
+theirs between each issue), which the drift above leaves to chance: both wait on the same
+stage, so they can issue together and rescale together with the tensor cores idle. Its bits
+equal the drifting schedule's (tests); it has not been timed on a GPU yet, so no heuristic
+picks it (the benchmark's sweep includes it). `splits` (per-tile only) gives each tile that many CTAs, each a part of K, storing
 float32 partials that XLA sums: for a grid of tiles that leaves SMs idle.
 
 H200, profiler kernel time of the whole call, fresh weights per call, pairs from one run:
@@ -133,6 +137,11 @@ class Config:
   # K in this many equal parts, one CTA each (per-tile schedule only): float32 partial
   # products that XLA sums, for a grid of tiles too small to fill the SMs.
   splits: int = 1
+  # The two compute warpgroups issue each K block's wgmma in turn, handing the turn over
+  # through a barrier of theirs, so that one's rescale runs while the other's product is on the
+  # tensor cores (left to drift, both can wait on the same stage and issue together). Needs 2
+  # stages or more: with one, a warpgroup waiting for its turn holds the stage the other needs.
+  pingpong: bool = False
 
   def __post_init__(self):
     if self.block_n not in (64, 128, 192, 256):
@@ -150,6 +159,8 @@ class Config:
     if not isinstance(self.splits, int) or self.splits < 1 or (self.splits > 1
                                                                 and self.persistent):
       raise ValueError(f"Config.splits must be a positive int, 1 when persistent, got {self}")
+    if self.pingpong and self.stages < 2:
+      raise ValueError(f"Config.pingpong needs 2 stages or more, got {self}")
 
 
 SPLIT_MIN_K = 2048  # K in parts only beyond it (a short K runs persistent, measured faster)
@@ -270,7 +281,16 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
                   plgpu.BlockSpec((pl.Element(2), SW_BOX),
                                   lambda b: (ni * bn // BLOCK, (b0 + b) // SW_BOX))])
 
-  def tile(mi, ni, refs, o_smem, allocations=None, ks=0):
+  def handoff(turn, skip):
+    """Meet the other compute warpgroup at `turn` (Config.pingpong; None: no ordering), unless
+    `skip`."""
+    if turn is not None:
+      @pl.when(jnp.logical_not(skip))
+      def _():
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
+
+  def tile(mi, ni, refs, o_smem, turn, allocations=None, ks=0):
     a_gmem, sa_gmem, w_gmem, sw_gmem, o_gmem = refs
     b0 = ks * kp
     wg = lax.axis_index("wg")
@@ -294,11 +314,23 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
         s_w = jnp.where(col < BLOCK, s0, s1)
         return acc[c] + d_ref[...] * s_a[:, None] * s_w[None, :]
 
+      # Config.pingpong: each issue between two handoffs, so the turns alternate: the first
+      # warpgroup's issue, then the second's, then the first's next. Within a tile only (the
+      # first warpgroup's first issue and the second's last take no handoff): a turn handed
+      # across tiles would wait on the next tile's blocks, which the memory warpgroup copies
+      # only once this tile's are all consumed.
+      def ordered_issue(first, last, issues):
+        handoff(turn, (wg == 0) & first)
+        issues()
+        handoff(turn, (wg == 1) & last)
+
+      first, last = idx[0] == 0, idx[0] == kp - 1
       if bn == 256:  # the chunks one after another (Config)
         s_a, s0, s1 = scales()
 
         def chunk(c, d_ref):
-          issue(c, d_ref)
+          ordered_issue(first & (c == 0), last & (c == cfg.chunks - 1),
+                        lambda: issue(c, d_ref))
           plgpu.wgmma_wait(0)
           return rescale(c, d_ref, s_a, s0, s1)
 
@@ -307,8 +339,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
                      for c in range(cfg.chunks))
 
       def mma(*d_refs):
-        for c, d_ref in enumerate(d_refs):
-          issue(c, d_ref)
+        ordered_issue(first, last, lambda: [issue(c, d_ref) for c, d_ref in enumerate(d_refs)])
         s_a, s0, s1 = scales()
         out = []
         for c, d_ref in enumerate(d_refs):
@@ -338,25 +369,27 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   def kernel(*refs):
     # Allocated by all three warpgroups together (a collective scope), used by the compute two.
     out_smem = plgpu.SMEM((2, WG_M, bn), staged)
+    turn = plgpu.Barrier(num_arrivals=2) if cfg.pingpong else None
     if not cfg.persistent:
-      pl.run_scoped(lambda o_smem: tile(lax.axis_index("m"), lax.axis_index("n"), refs, o_smem,
-                                        ks=lax.axis_index("k") if cfg.splits > 1 else 0),
-                    out_smem, collective_axes="wg")
+      pl.run_scoped(lambda o_smem, turn: tile(lax.axis_index("m"), lax.axis_index("n"), refs,
+                                              o_smem, turn,
+                                              ks=lax.axis_index("k") if cfg.splits > 1 else 0),
+                    out_smem, turn, collective_axes="wg")
     else:
       # The pipeline's buffers outlive the tiles: the memory warpgroup starts copying the next
       # tile's blocks while the compute warpgroups store the last one.
       a_gmem, sa_gmem, w_gmem, sw_gmem, _ = refs
       allocs = pipeline(None, None, 0, 0).get_allocations(a_gmem, w_gmem, sa_gmem, sw_gmem)
 
-      def scope(allocations, o_smem):
+      def scope(allocations, o_smem, turn):
         @plgpu.nd_loop((mt * nt,), collective_axes="c")
         def _(info):
           (t,) = info.index
-          tile(*tile_order(t, mt, nt, cfg.band), refs, o_smem, allocations)
+          tile(*tile_order(t, mt, nt, cfg.band), refs, o_smem, turn, allocations)
 
         plgpu.wait_smem_to_gmem(0)
 
-      pl.run_scoped(scope, allocs, out_smem, collective_axes="wg")
+      pl.run_scoped(scope, allocs, out_smem, turn, collective_axes="wg")
 
   if cfg.persistent:
     grid, names = (min(mt * nt, _target.sm_count()),), ("c",)
