@@ -15,11 +15,11 @@ compute warpgroups own 64 rows each of the 128 x block_n tile. Per K block, each
      per-column scale, d * s_a[:, None] * s_w[None, :]. The memory warpgroup copies the two
      weight-block scales a tile can touch, per K block, in one 128-byte TMA box (SW_BOX).
 Scaling per block keeps the accumulation in f32 (Hopper's fp8 MMA accumulates with reduced
-precision inside one instruction chain). The two compute warpgroups drift apart, so one's
-rescale overlaps the other's wgmma, and the memory warpgroup keeps the copies ahead of both
-(a single-warpgroup version, waiting for each wgmma with the tensor cores idle, ran at
-0.48-0.85x XLA's bf16 dot at M = 4096). The epilogue goes registers -> shared -> TMA store,
-which clips the columns past N.
+precision inside one instruction chain). The two compute warpgroups are left to drift apart,
+so that one's rescale can overlap the other's wgmma (not measured; `Config.pingpong` orders
+them), and the memory warpgroup keeps the copies ahead of both (a single-warpgroup version,
+waiting for each wgmma with the tensor cores idle, ran at 0.48-0.85x XLA's bf16 dot at
+M = 4096). The epilogue goes registers -> shared -> TMA store, which clips the columns past N.
 
 Shapes: K a multiple of 128, N of 64; M padded to a multiple of 8 by XLA (a copy of the
 activation and the output) only where it is not one.
@@ -29,12 +29,10 @@ bands of `band` row tiles, M fastest within a band: `tile_order`), each a pipeli
 pipeline's buffers allocated once so the memory warpgroup runs ahead into the next tile (the
 store stays out of the step: moving it in cost 1-25% more than the refills saved).
 `chunks = 2` issues the tile's columns as two wgmma groups and rescales the first while the
-second runs. `pingpong` makes the compute warpgroups take turns at issuing (a barrier of
-theirs between each issue), which the drift above leaves to chance: both wait on the same
-stage, so they can issue together and rescale together with the tensor cores idle. Its bits
-equal the drifting schedule's (tests); it has not been timed on a GPU yet, so no heuristic
-picks it (the benchmark's sweep includes it). `splits` (per-tile only) gives each tile that many CTAs, each a part of K, storing
-float32 partials that XLA sums: for a grid of tiles that leaves SMs idle.
+second runs. `pingpong` makes the compute warpgroups take turns at issuing: the same bits,
+not yet timed on a GPU, so no heuristic picks it (the benchmark's sweep includes it).
+`splits` (per-tile only) gives each tile that many CTAs, each a part of K, storing float32
+partials that XLA sums: for a grid of tiles that leaves SMs idle.
 
 H200, profiler kernel time of the whole call, fresh weights per call, pairs from one run:
 - the weight-block scales as scalars (one FMA per value where a chunk lies in one block)
