@@ -5,6 +5,7 @@ from jfusedq.fp8 import Fp8Format, QuantizedActivation, default_format
 from jfusedq.ops._dispatch import Unsupported, implementations
 from jfusedq.ops.fp8_matmul import fp8_matmul, grouped_fp8_matmul
 from jfusedq.ops.group_quant import group_quant
+from jfusedq.ops.ragged_fp8_matmul import ragged_fp8_matmul, ragged_matmul
 from jfusedq.ops.rmsnorm import RmsNormOutput, rmsnorm
 from jfusedq.ops.rmsnorm_quant import RmsNormQuantOutput, rmsnorm_quant
 from jfusedq.parallel import (allreduce_rmsnorm_quant, allreduce_rmsnorm_quant_sharded,
@@ -30,6 +31,8 @@ __all__ = [
     "group_quant",
     "grouped_fp8_matmul",
     "implementations",
+    "ragged_fp8_matmul",
+    "ragged_matmul",
     "reduce_scatter_rmsnorm_quant",
     "rmsnorm",
     "rmsnorm_quant",

@@ -218,3 +218,18 @@ def _create_masked_store(self, ptrs, value, mask, *rest):
 _Builder.create_trans = _create_trans
 _Builder.create_masked_load = _create_masked_load
 _Builder.create_masked_store = _create_masked_store
+
+# Its dot multiplies bf16 operands as their uint16 bits (numpy has no bf16): widen them to f32,
+# which holds every bf16 product exactly.
+_dot = _Builder.create_dot
+
+
+def _create_dot(self, a, b, d, *rest):
+  if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
+    a, b = (_interp.TensorHandle(np.ascontiguousarray(h.data).view(ml_dtypes.bfloat16)
+                                 .astype(np.float32), tl.float32)
+            if h.dtype.scalar == tl.bfloat16 else h for h in (a, b))
+  return _dot(self, a, b, d, *rest)
+
+
+_Builder.create_dot = _create_dot

@@ -34,6 +34,62 @@ GROUP_M = 8  # row blocks per L2 group
 
 
 @_triton.jit
+def scaled_dot(a_ptrs, w_ptrs, sa_ptr, sa_step, sa_offs, sw_row, m_ok, n_ok, first, last,
+               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               SWAP: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr = True):
+  """The main loop over K blocks first .. last - 1 -> f32 `[BLOCK_M, BLOCK_N]`: one dot a
+  block, times (SCALED: fp8 operands) the activation rows' scales (`sa_ptr + block * sa_step +
+  sa_offs`, masked by `m_ok`) and the weight block's scalar scale (`sw_row + block`); without
+  SCALED (bf16 operands) the scale pointers are not read. `a_ptrs` / `w_ptrs` point at the
+  first block's `[BLOCK_M, BK]` / `[BLOCK_N, BK]` tiles, rows masked by m_ok / n_ok."""
+  KB: tl.constexpr = (K + BK - 1) // BK
+  rk = tl.arange(0, BK)
+  if SWAP:
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+  else:
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+  # Scales are loaded one K block ahead (a loop-carried load), so their read overlaps a
+  # block's MMA instead of preceding it: 0.4-8% faster with row-layout scales than loading
+  # them in their step (M = 1 / 16 / 64). Column-layout scales ([KB, M]) of each block lie in a
+  # new stretch of memory (a row's share one L1 line for 32 blocks): loaded in their step the
+  # loop ran 1.14-1.44x the row layout's time at M = 64, ahead 0.99-1.14x.
+  # Block indices are clamped to the last one (KB - 1): an empty split or the last step reads
+  # a block it does not use, in bounds.
+  if SCALED:
+    s_a_next = tl.load(sa_ptr + tl.minimum(first, KB - 1) * sa_step + sa_offs, mask=m_ok,
+                       other=0.0)
+    s_w_next = tl.load(sw_row + tl.minimum(first, KB - 1))
+  for b in range(first, last):
+    if K % BK == 0:
+      a_mask = m_ok[:, None]
+      w_mask = n_ok[:, None]
+    else:
+      k_ok = rk < K - b * BK
+      a_mask = m_ok[:, None] & k_ok[None, :]
+      w_mask = n_ok[:, None] & k_ok[None, :]
+    a = tl.load(a_ptrs + b * BK, mask=a_mask, other=0.0)
+    w = tl.load(w_ptrs + b * BK, mask=w_mask, other=0.0)
+    # fp8 x fp8 -> f32 on the tensor cores, both operands straight from shared memory; w is
+    # [N, K], so its transpose is K-major as the fp8 MMA wants it (and a's, when swapped).
+    if SCALED:
+      s_a, s_w = s_a_next, s_w_next
+      nxt = tl.minimum(b + 1, KB - 1)
+      s_a_next = tl.load(sa_ptr + nxt * sa_step + sa_offs, mask=m_ok, other=0.0)
+      s_w_next = tl.load(sw_row + nxt)
+      if SWAP:
+        acc += tl.dot(w, tl.trans(a)) * (s_w * s_a[None, :])
+      else:
+        acc += tl.dot(a, tl.trans(w)) * (s_a[:, None] * s_w)
+    elif SWAP:
+      acc += tl.dot(w, tl.trans(a))
+    else:
+      acc += tl.dot(a, tl.trans(w))
+  if SWAP:
+    acc = tl.trans(acc)
+  return acc
+
+
+@_triton.jit
 def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.constexpr,
                       K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       PER_SPLIT: tl.constexpr, A_COL: tl.constexpr, GROUP_M: tl.constexpr,
@@ -64,45 +120,12 @@ def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.con
   sw_row = sw_ptr + (pid_n * BLOCK_N // BK) * KB
   first = pid_k * PER_SPLIT
   last = tl.minimum(first + PER_SPLIT, KB)
-  if SWAP:
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-  else:
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-  # Scales are loaded one K block ahead (a loop-carried load), so their read overlaps a
-  # block's MMA instead of preceding it: 0.4-8% faster with row-layout scales than loading
-  # them in their step (M = 1 / 16 / 64). Column-layout scales ([KB, M]) of each block lie in a
-  # new stretch of memory (a row's share one L1 line for 32 blocks): loaded in their step the
-  # loop ran 1.14-1.44x the row layout's time at M = 64, ahead 0.99-1.14x.
-  # Block indices are clamped to the last one (KB - 1): an empty split or the last step reads
-  # a block it does not use, in bounds.
   if A_COL:
     sa_step, sa_offs = m, rm
   else:
     sa_step, sa_offs = 1, rm * KB
-  s_a_next = tl.load(sa_ptr + tl.minimum(first, KB - 1) * sa_step + sa_offs, mask=m_ok, other=0.0)
-  s_w_next = tl.load(sw_row + tl.minimum(first, KB - 1))
-  for b in range(first, last):
-    if K % BK == 0:
-      a_mask = m_ok[:, None]
-      w_mask = n_ok[:, None]
-    else:
-      k_ok = rk < K - b * BK
-      a_mask = m_ok[:, None] & k_ok[None, :]
-      w_mask = n_ok[:, None] & k_ok[None, :]
-    a = tl.load(a_ptrs + b * BK, mask=a_mask, other=0.0)
-    w = tl.load(w_ptrs + b * BK, mask=w_mask, other=0.0)
-    s_a, s_w = s_a_next, s_w_next
-    nxt = tl.minimum(b + 1, KB - 1)
-    s_a_next = tl.load(sa_ptr + nxt * sa_step + sa_offs, mask=m_ok, other=0.0)
-    s_w_next = tl.load(sw_row + nxt)
-    # fp8 x fp8 -> f32 on the tensor cores, both operands straight from shared memory; w is
-    # [N, K], so its transpose is K-major as the fp8 MMA wants it (and a's, when swapped).
-    if SWAP:
-      acc += tl.dot(w, tl.trans(a)) * (s_w * s_a[None, :])
-    else:
-      acc += tl.dot(a, tl.trans(w)) * (s_a[:, None] * s_w)
-  if SWAP:
-    acc = tl.trans(acc)
+  acc = scaled_dot(a_ptrs, w_ptrs, sa_ptr, sa_step, sa_offs, sw_row, m_ok, n_ok, first, last,
+                   K, BLOCK_M, BLOCK_N, SWAP, BK)
 
   o_offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
   tl.store(o_ptr + o_offs, acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

@@ -1,0 +1,42 @@
+"""The ragged products in plain jnp, float32: the contract every implementation meets.
+
+Rows sorted by group: row r of the (gathered) activation belongs to group e while
+`sum(group_sizes[:e]) <= r < sum(group_sizes[:e + 1])` and is multiplied by expert e's weight;
+rows past the last group are zero (`jax.lax.ragged_dot`'s convention). Computed with
+`jax.lax.ragged_dot` on the dequantised operands at the highest precision, which XLA on CPU
+evaluates densely (every group on every row): a reference for tests, not a path to run.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jfusedq.fp8 import QuantizedActivation
+from jfusedq.ops.fp8_matmul.reference import dequantize_weight
+
+
+def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array, rows, out_dtype) -> jax.Array:
+  """x `[T, K]` f32 (rows `[M]` picking its rows, or None), w `[E, N, K]` f32 -> `[M, N]`."""
+  if rows is not None:
+    x = x[rows]
+  out = jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), group_sizes.astype(jnp.int32),
+                           precision=jax.lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+  return out.astype(out_dtype)
+
+
+def ragged_fp8_matmul(a: QuantizedActivation, qw: jax.Array, w_scale: jax.Array,
+                      group_sizes: jax.Array, rows: jax.Array | None = None,
+                      out_dtype=jnp.bfloat16) -> jax.Array:
+  """`a` (`q [T, K]`), `qw [E, N, K]` fp8 with `w_scale [E, NB, KB]`, `group_sizes [E]` ->
+  `[M, N]`: row r is `a[rows[r]]` (or `a[r]`) times its group's dequantised expert."""
+  w = jax.vmap(dequantize_weight)(qw, w_scale)
+  return _ragged(a.dequantize(jnp.float32), w, group_sizes, rows, out_dtype)
+
+
+def ragged_matmul(a: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                  rows: jax.Array | None = None, out_dtype=jnp.bfloat16) -> jax.Array:
+  """The high-precision product: `a [T, K]`, `w [E, N, K]` -> `[M, N]`, in f32 from the
+  operands as given."""
+  return _ragged(a.astype(jnp.float32), w.astype(jnp.float32), group_sizes, rows, out_dtype)
