@@ -1,28 +1,28 @@
-"""H200 benchmark: MoE expert GEMMs, one grouped launch against a launch per expert product.
+"""H200 benchmark: MoE expert GEMMs at the released models' expert counts (`jf.ragged_fp8_matmul`).
 
-Cases are DeepSeek-V3's expert projections (`jfusedq.testing.EXPERTS`; gate/up: N = 2048,
-K = 7168; down: N = 7168, K = 2048) over E experts with top-k routing:
-  gathered  M tokens x k experts each (decode): B = M*k products, `ids` from the router
-  dense     every expert on the same M tokens (B = E)
-Implementations (activation already quantised, row scales):
-  grouped   `grouped_fp8_matmul(..., implementation="triton")`: one launch, weights read in place
-  pallas    the same on the Pallas kernel (one launch, experts read in place by `ids`); both
-            kernels are captured in XLA's CUDA graph
-  mapped    `jax.vmap(fp8_matmul)` over `weight[ids]` (Triton): a launch per product, the
-            gather and the launcher's sequential vmap copying every product's weight
-  xla       `grouped_fp8_matmul(..., implementation="xla")`: dequantise + dot per product
-Bytes per call = the distinct experts' fp8 weights (U * N * K) + their scales + activations
-and bf16 outputs; roofline = bytes / copy bandwidth measured in the same run. Weights are fresh
-per call (a model reads each layer's experts once), so L2 does not serve them.
+Cases: DeepSeek-V3's experts (E = 256, top 8; `up`: gate or up projection, N = 2048, K = 7168;
+`down`: N = 7168, K = 2048) and Qwen3.5-397B's (E = 512, top 10; N, K = 1024, 4096 and 4096,
+1024), over T tokens routed top-k to distinct experts, `uniform`ly or `skewed` (eight experts
+favoured, so a few take most pairs). `up` reads each sorted (token, expert) pair's token row
+in place (`rows`); `down` reads the T * k sorted rows as they are. Activations come quantised,
+their scales in the layout the norm hands over for their row count.
+Implementations:
+  default   `ragged_fp8_matmul` as a user calls it (the Triton kernel on a GPU)
+  triton    the same, named
+  xla       the XLA loop over filled row tiles (timed up to --xla-max tokens; the reference
+            every row is checked against at every size)
+  gathered  `grouped_fp8_matmul` with a product per pair (the decode path, up to 64 tokens)
+Routed FLOPs = 2 T k N K; bytes = the distinct experts' fp8 weights and scales + activation
+in + bf16 out; roofline_frac = max(FLOPs / FP8 peak, bytes / copy bandwidth) / time, FP8 peak
+taken as twice XLA's bf16 dot measured in the same run. Weights are fresh per call (a model
+reads each layer's experts once), so L2 does not serve them.
 
 No cuBLAS column: PyTorch's grouped FP8 GEMM (`scaled_grouped_mm`) takes row-wise and MX
-scales, not the 1x128 / 128x128 blocks (`benchmarks/_cublas.py --probe` tries one), and a loop
-of per-expert `scaled_mm` calls pays a launch per expert that one grouped launch does not, so
-it is no fair peer; fp8_matmul.py --prefill holds one expert's GEMM to cuBLAS.
+scales, not the 1x128 / 128x128 blocks, and a loop of per-expert `scaled_mm` calls pays a
+launch per expert; fp8_matmul.py --prefill holds one expert's GEMM to cuBLAS.
 
-Run: python benchmarks/moe_gemm.py [--ms 1 8] [--experts 16] [--topk 8] [--out DIR]
-     [--commit SHA] [--impls grouped pallas ...] [--tag T] [--smoke]
---tag suffixes the results file (moe_gemm_<tag>.json).
+Run: python benchmarks/moe_gemm.py [--models deepseek-v3 qwen3.5] [--tokens 1 16 ...]
+     [--routings uniform skewed] [--projs up down] [--out DIR] [--commit SHA] [--smoke]
 """
 
 from __future__ import annotations
@@ -39,49 +39,74 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _harness  # noqa: E402
-from jfusedq import default_format, fp8_matmul, group_quant, grouped_fp8_matmul  # noqa: E402
+from fp8_matmul import bf16_tflops  # noqa: E402
+from jfusedq import (QuantizedActivation, default_format, group_quant,  # noqa: E402
+                     grouped_fp8_matmul, ragged_fp8_matmul)
 from jfusedq.nn import quantize_weight  # noqa: E402
-from jfusedq.testing import EDGE_PROJECTIONS, EXPERTS, rel_rms  # noqa: E402
+from jfusedq.ops.fp8_matmul import scale_layout  # noqa: E402
+from jfusedq.testing import rel_rms  # noqa: E402
 
-NKS = tuple(EXPERTS.values())
+# name -> (experts, top-k, {projection: (N, K)})
+MODELS = {
+    "deepseek-v3": (256, 8, {"up": (2048, 7168), "down": (7168, 2048)}),
+    "qwen3.5": (512, 10, {"up": (1024, 4096), "down": (4096, 1024)}),
+}
+SMOKE_MODELS = {"smoke": (16, 2, {"up": (256, 384), "down": (384, 256)})}
+TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 
 
-def make_problem(m, n, k, e, topk, dense, seed):
-  key = jax.random.key(seed)
+def route(key, t, e, topk, skewed):
+  """idx `[T, k]`: distinct experts per token, by Gumbel top-k over flat (or skewed) logits."""
+  logits = jax.random.gumbel(key, (t, e))
+  if skewed:
+    logits = logits + jnp.where(jnp.arange(e) < 8, 4.0, 0.0)
+  return jax.lax.top_k(logits, topk)[1].astype(jnp.int32)
+
+
+def make_problem(t, e, topk, n, k, proj, skewed, seed):
   fmt = default_format()
 
   def make(count):
     sets = []
     for i in range(count):
-      kw, kx, ki = jax.random.split(jax.random.fold_in(key, i), 3)
+      kw, kx, kr = jax.random.split(jax.random.fold_in(jax.random.key(seed), i), 3)
       qw, sw = jax.vmap(lambda w: quantize_weight(w, fmt))(
           jax.random.normal(kw, (e, n, k), jnp.float32))
-      # Dense: one group of M rows for every expert; gathered: M groups of one row each.
-      x = jax.random.normal(kx, (1, m, k) if dense else (m, 1, k), jnp.bfloat16)
-      # Distinct experts per token, as top-k routing picks them.
-      ids = None if dense else jax.vmap(lambda r: jax.random.permutation(r, e)[:topk])(
-          jax.random.split(ki, m)).reshape(-1).astype(jnp.int32)
-      sets.append((group_quant(x, fmt=fmt), qw, sw, ids))
+      idx = route(kr, t, e, topk, skewed)
+      flat = idx.reshape(-1)
+      order = jnp.argsort(flat, stable=True)
+      sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+      rows_in = t if proj == "up" else t * topk
+      x = jax.random.normal(kx, (rows_in, k), jnp.bfloat16)
+      qa = group_quant(x, fmt=fmt, layout=scale_layout(rows_in))
+      rows = (order // topk).astype(jnp.int32) if proj == "up" else None
+      sets.append((qa, qw, sw, sizes, rows, idx))
     return sets
   return make
 
 
-def mapped(qa, qw, sw, ids):
-  b = qw.shape[0] if ids is None else ids.shape[0]
-  g = qa.q.shape[0]
-  w, s = (qw, sw) if ids is None else (qw[ids], sw[ids])
-  rep = lambda t: jnp.repeat(t, b // g, axis=0)
-  one = lambda q, sa, w, s: fp8_matmul(type(qa)(q, sa), w, s, implementation="triton")
-  return jax.vmap(one)(rep(qa.q), rep(qa.scale), w, s)
+def gathered(qa, qw, sw, sizes, rows, idx):
+  """The decode path: a product per (token, expert) pair, pairs in sorted order."""
+  del sizes
+  flat = idx.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  q = qa.with_layout("row")
+  if rows is None:  # down: sorted row r is its own group
+    a = QuantizedActivation(q.q[:, None], q.scale[:, None])
+    return grouped_fp8_matmul(a, qw, sw, flat[order], implementation="triton")[:, 0]
+  a = QuantizedActivation(q.q[:, None], q.scale[:, None])  # [T, 1, K]: token t's k products
+  out = grouped_fp8_matmul(a, qw, sw, flat, implementation="triton")[:, 0]  # pair order
+  return out[order]
 
 
 IMPLS = {
-    "grouped": lambda qa, qw, sw, ids: grouped_fp8_matmul(qa, qw, sw, ids,
-                                                          implementation="triton"),
-    "pallas": lambda qa, qw, sw, ids: grouped_fp8_matmul(qa, qw, sw, ids,
-                                                         implementation="pallas"),
-    "mapped": mapped,
-    "xla": lambda qa, qw, sw, ids: grouped_fp8_matmul(qa, qw, sw, ids, implementation="xla"),
+    "default": lambda qa, qw, sw, sizes, rows, idx: ragged_fp8_matmul(qa, qw, sw, sizes,
+                                                                      rows=rows),
+    "triton": lambda qa, qw, sw, sizes, rows, idx: ragged_fp8_matmul(
+        qa, qw, sw, sizes, rows=rows, implementation="triton"),
+    "xla": lambda qa, qw, sw, sizes, rows, idx: ragged_fp8_matmul(
+        qa, qw, sw, sizes, rows=rows, implementation="xla"),
+    "gathered": gathered,
 }
 
 
@@ -89,57 +114,64 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--commit", default="unknown")
-  ap.add_argument("--ms", nargs="+", type=int, default=[1, 8])
-  ap.add_argument("--experts", type=int, default=16)
-  ap.add_argument("--topk", type=int, default=8)
-  ap.add_argument("--impls", nargs="+", default=None, choices=sorted(IMPLS),
-                  help="columns to time (xla, the baseline, always runs first)")
+  ap.add_argument("--models", nargs="+", default=list(MODELS), choices=sorted(MODELS))
+  ap.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+  ap.add_argument("--routings", nargs="+", default=["uniform", "skewed"],
+                  choices=["uniform", "skewed"])
+  ap.add_argument("--projs", nargs="+", default=["up", "down"], choices=["up", "down"])
+  ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=sorted(IMPLS))
+  ap.add_argument("--xla-max", type=int, default=1024, help="time the XLA path up to T tokens")
+  ap.add_argument("--calls", type=int, default=3, help="distinct input sets per timed jit")
   ap.add_argument("--tag", default="", help="results file moe_gemm_<tag>.json")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, XLA only, on CPU")
   args = ap.parse_args()
-  impls = {i: IMPLS[i] for i in dict.fromkeys(["xla", *(args.impls or IMPLS)])}
-  if args.smoke:
-    nks, impls = (EDGE_PROJECTIONS["small"],), {"xla": IMPLS["xla"]}
-  else:
-    nks = NKS
-  e, topk = args.experts, args.topk
+  models = SMOKE_MODELS if args.smoke else {m: MODELS[m] for m in args.models}
+  impls = ["xla"] if args.smoke else args.impls
+  tokens = [1, 3] if args.smoke else args.tokens
   bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
-  print(f"device {jax.devices()[0].device_kind}: copy {bw:.2f} TB/s")
-  print(__doc__.split("\n\n")[1])
+  peak = 2 * bf16_tflops(256 if args.smoke else 8192)
+  print(f"device {jax.devices()[0].device_kind}: copy {bw:.2f} TB/s, FP8 peak {peak:.0f} "
+        f"TFLOP/s (2x bf16)")
   rows = []
-  print(f"{'case':>34} {'impl':>8} {'us':>9} {'wTB/s':>6} {'roof':>5} {'vs_xla':>6} ok")
-  cases = [(m, n, k, dense) for n, k in nks for m in args.ms for dense in (False, True)]
-  for seed, (m, n, k, dense) in enumerate(cases):
-    make = make_problem(m, n, k, e, topk, dense, seed)
-    qa, qw, sw, ids = make(1)[0]
-    b = e if dense else m * topk
-    unique = e if dense else len(np.unique(np.asarray(ids)))
-    kb, nb = -(-k // 128), -(-n // 128)
-    rows_per = m if dense else 1
-    nbytes = (unique * (n * k + nb * kb * 4) + qa.q.size + qa.scale.size * 4
-              + b * rows_per * n * 2)
-    want = IMPLS["xla"](qa, qw, sw, ids)
-    base, secs = None, []
-    case = dict(M=m, N=n, K=k, E=e, topk=topk, mode="dense" if dense else "gathered")
-    for impl, op in impls.items():
-      ok = rel_rms(op(qa, qw, sw, ids), want) <= 2.0**-8
-      t = _harness.measure(op, make, 4)
-      sec = t["kernel_s"] or t["chain_s"]
-      secs.append(sec)
-      base = sec if impl == "xla" else base
-      rows.append(dict(case=case, impl=impl, time_us=round(sec * 1e6, 3),
-                       tbps=round(unique * n * k / sec / 1e12, 3), tflops=None,
-                       roofline_frac=round(nbytes / (bw * 1e12) / sec, 3), vs_xla=None,
-                       correct=bool(ok), kernels_per_call=t["kernels_per_call"],
-                       top_kernels=t.get("top_kernels")))
-    # From the unrounded times: on a loaded CPU (--smoke) a slope can round to 0 us.
-    for row, sec in zip(rows[-len(impls):], secs, strict=True):
-      row["vs_xla"] = round(base / sec, 3)
-      print(f"{str(case):>34} {row['impl']:>8} {row['time_us']:9.2f} {row['tbps']:6.2f} "
-            f"{row['roofline_frac']:5.2f} {row['vs_xla']:6.2f} "
-            f"{'yes' if row['correct'] else 'CHECK FAILED'}", flush=True)
-    _harness.write_results("moe_gemm" + (f"_{args.tag}" if args.tag else ""), rows,
-                           {"copy_tbps": round(bw, 3)}, args.commit, args.out)
+  print(f"{'case':>62} {'impl':>8} {'us':>9} {'TFLOP/s':>7} {'roof':>5} ok")
+  seed = 0
+  for model, (e, topk, projs) in models.items():
+    for proj in args.projs:
+      n, k = projs[proj]
+      for t in tokens:
+        for routing in args.routings:
+          seed += 1
+          make = make_problem(t, e, topk, n, k, proj, routing == "skewed", seed)
+          problem = make(1)[0]
+          qa, qw, sw, sizes, rws, idx = problem
+          want = IMPLS["xla"](*problem)
+          unique = int(np.count_nonzero(np.asarray(sizes)))
+          m = t * topk
+          flops = 2 * m * n * k
+          nbytes = unique * (n * k + -(-n // 128) * -(-k // 128) * 4) + qa.q.size + \
+              qa.scale.size * 4 + m * n * 2
+          case = dict(model=model, proj=proj, T=t, E=e, topk=topk, N=n, K=k, routing=routing,
+                      experts_touched=unique)
+          for impl in impls:
+            if impl == "xla" and t > args.xla_max or impl == "gathered" and t > 64:
+              continue
+            op = IMPLS[impl]
+            err = rel_rms(op(*problem), want)
+            t_ = _harness.measure(op, make, args.calls, chain=args.smoke)
+            sec = t_["kernel_s"] or t_["chain_s"]
+            rows.append(dict(
+                case=case, impl=impl, time_us=round(sec * 1e6, 3),
+                tflops=round(flops / sec / 1e12, 1), tbps=round(nbytes / sec / 1e12, 3),
+                roofline_frac=round(max(flops / (peak * 1e12), nbytes / (bw * 1e12)) / sec, 3),
+                rel_rms=float(f"{err:.3g}"), correct=bool(err <= 2.0**-8),
+                kernels_per_call=t_["kernels_per_call"], top_kernels=t_.get("top_kernels")))
+            r = rows[-1]
+            print(f"{str({kk: case[kk] for kk in ('model', 'proj', 'T', 'routing')}):>62} "
+                  f"{impl:>8} {r['time_us']:9.2f} {r['tflops']:7.1f} {r['roofline_frac']:5.2f} "
+                  f"{'yes' if r['correct'] else 'CHECK FAILED'}", flush=True)
+          _harness.write_results("moe_gemm" + (f"_{args.tag}" if args.tag else ""), rows,
+                                 {"copy_tbps": round(bw, 3), "bf16_tflops": round(peak / 2, 1)},
+                                 args.commit, args.out)
 
 
 if __name__ == "__main__":
