@@ -4,7 +4,9 @@
 GDN + attention; Llama's GQA attention and SwiGLU MLP). `*-layers`: the released models' real
 layer shapes (hidden sizes, heads, LoRA ranks, expert sizes) with few layers and fewer
 experts, for GPUs. `*-deep`: those layers, as many as one H200 holds with the bf16 and FP8
-weights side by side (`jfusedq run`'s three paths).
+weights side by side (`jfusedq run`'s three paths). `*-moe`: the `*-layers` models with the
+released models' full expert counts (DeepSeek-V3 256, Qwen3.5-397B 512), so that a cost growing
+with the expert count shows beside the 16-expert `*-layers`.
 """
 
 from __future__ import annotations
@@ -69,6 +71,15 @@ DEEPSEEK_V3_DEEP = dict(DEEPSEEK_V3_LAYERS, num_hidden_layers=24, first_k_dense_
 # embedding and head): both 51 GB, one H200.
 QWEN3_5_DEEP = dict(QWEN3_5_LAYERS, num_hidden_layers=48)
 
+# DeepSeek-V3's layers with all 256 routed experts (8 a token, 8 groups of which 4 are kept):
+# 4 layers, 1 dense + 3 MoE, as deepseek-v3-layers. bf16 masters 71.5 GB, FP8 weights 37.0 GB:
+# both 108.5 GB, one H200.
+DEEPSEEK_V3_MOE = dict(DEEPSEEK_V3_LAYERS, n_routed_experts=256)
+
+# Qwen3.5-397B-A17B's layers with all 512 experts (10 a token): 4 layers (3 GDN + 1 attention),
+# as qwen3.5-layers. bf16 masters 53.2 GB, FP8 weights 27.7 GB: both 80.9 GB, one H200.
+QWEN3_5_MOE = dict(QWEN3_5_LAYERS, num_experts=512)
+
 # Preset name -> a Hugging Face config dict (its `model_type` picks the model package).
 PRESETS = {
     "deepseek-v3-tiny": DEEPSEEK_V3_TINY,
@@ -77,5 +88,7 @@ PRESETS = {
     "qwen3.5-layers": QWEN3_5_LAYERS,
     "deepseek-v3-deep": DEEPSEEK_V3_DEEP,
     "qwen3.5-deep": QWEN3_5_DEEP,
+    "deepseek-v3-moe": DEEPSEEK_V3_MOE,
+    "qwen3.5-moe": QWEN3_5_MOE,
     "llama-tiny": LLAMA_TINY,
 }

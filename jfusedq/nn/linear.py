@@ -13,6 +13,7 @@ from jfusedq.fp8 import Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.nn.weights import quantize_weight
 from jfusedq.ops import _common
 from jfusedq.ops.fp8_matmul import fp8_matmul, grouped_fp8_matmul
+from jfusedq.ops.ragged_fp8_matmul import ragged_fp8_matmul, ragged_matmul
 
 # Fan-in from the in axis of the `[out, in]` weight: lecun_normal's defaults (in_axis=-2) read
 # out_features, which gave a wide-out layer such as an LM head outputs of std sqrt(in / out).
@@ -112,7 +113,9 @@ class StackedLinear(nnx.Module):
   ceil(K/128)]` f32, the block-scaled GEMM of every expert in one `grouped_fp8_matmul` (which
   reads the weights in place: mapping `fp8_matmul` over experts sliced a copy of each); else
   `weight` in param_dtype, read with the input's high-precision copy. `__call__`: every expert
-  on every row; `gathered`: only the experts `idx` picks per row. `ue8m0`: as for Fp8Linear.
+  on every row; `gathered`: only the experts `idx` picks per row; `ragged`: rows sorted by
+  expert, each through its own (`ragged_fp8_matmul` / `ragged_matmul`: the weights read in
+  place in either precision). `ue8m0`: as for Fp8Linear.
   """
 
   def __init__(self, num: int, in_features: int, out_features: int, *,
@@ -155,6 +158,18 @@ class StackedLinear(nnx.Module):
     # One product per (row, expert): row m's k products share its activation (group m).
     rows = (lambda t: t.reshape(m * k, 1, t.shape[-1])) if batched else (lambda t: t[:, None])
     return self._grouped(_leading(x, rows), idx.reshape(m * k)).reshape(m, k, -1)
+
+
+  def ragged(self, x, group_sizes: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+    """Rows sorted by expert through their experts: x `[T, K]` (array or QuantizedActivation),
+    `group_sizes [E]` rows of each expert in order, `rows [M]` the row of x each sorted row
+    reads (None: x's own) -> `[M, N]`. The work grows with the rows, not E."""
+    if self.fmt is not None:
+      return ragged_fp8_matmul(x, self.weight[...], self.weight_scale_inv[...], group_sizes,
+                               rows=rows, out_dtype=self.dtype, ue8m0=self.ue8m0,
+                               implementation=self.implementation)
+    return ragged_matmul(high_precision(x).astype(self.dtype), self.weight[...], group_sizes,
+                         rows=rows, out_dtype=self.dtype, implementation=self.implementation)
 
 
 def _leading(x: jax.Array | QuantizedActivation, fn) -> jax.Array | QuantizedActivation:

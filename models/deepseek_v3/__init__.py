@@ -9,11 +9,11 @@
 """
 
 from models.deepseek_v3.config import MODEL_TYPES, DeepseekV3Config, YarnScaling
-from models.deepseek_v3.layers import MLA, MLP, DecoderLayer, Experts, KVCache, MoE, Router
+from models.deepseek_v3.layers import MLA, MLP, DecoderLayer, KVCache, MoE, Router
 from models.deepseek_v3.loading import from_pretrained, load_weights
 from models.deepseek_v3.model import DeepseekV3ForCausalLM
 
 __all__ = [
     "MLA", "MLP", "MODEL_TYPES", "DecoderLayer", "DeepseekV3Config", "DeepseekV3ForCausalLM",
-    "Experts", "KVCache", "MoE", "Router", "YarnScaling", "from_pretrained", "load_weights",
+    "KVCache", "MoE", "Router", "YarnScaling", "from_pretrained", "load_weights",
 ]

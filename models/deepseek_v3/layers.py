@@ -36,7 +36,8 @@ per-head formula above, as Hugging Face does.
 MoE: s = sigmoid(hp W_gate^T) [T, E] (f32); groups scored by the sum of their top-2 of
 s + e_score_correction_bias; experts chosen (top_k) from the best topk_group of n_group groups;
 weights = s at the chosen experts, normalised (norm_topk_prob), times routed_scaling_factor;
-out = sum_k weight_k expert_k(x) + shared_experts(x).
+out = sum_k weight_k expert_k(x) + shared_experts(x), the routed experts computed only for the
+tokens that picked them (`models.common.moe.Experts`).
 
 Tensor parallel (`models.deepseek_v3.sharding`): heads split over the axis (q_b_proj, kv_b_proj
 column-parallel; o_proj row-parallel), MLP / expert intermediate dims split (gate/up column,
@@ -48,7 +49,6 @@ router, norms, embeddings and lm_head are replicated.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -56,11 +56,11 @@ from flax import nnx
 from jax import lax
 
 from jfusedq.fp8 import BLOCK, QuantizedActivation
-from jfusedq.nn import StackedLinear
 from jfusedq.ops.fp8_matmul import activation_format
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
 from jfusedq.ops.group_quant import group_quant
 from models.common import Options, is_fp8, prepare, write_cache
+from models.common.moe import Experts, silu_mul
 from models.deepseek_v3.config import DeepseekV3Config
 from models.deepseek_v3.rope import apply_rope, softmax_scale
 
@@ -146,56 +146,6 @@ class Router(nnx.Module):
     return w * cfg.routed_scaling_factor, idx
 
 
-class Experts(nnx.Module):
-  """Routed SwiGLU experts: y = sum_j w[..., j] * expert_idx[..., j](x), x `[..., H]`,
-  expert_e(x) = down_e(silu(gate_e(x)) * up_e(x)); weights stacked `[E, I, H]` / `[E, H, I]`.
-
-  Two formulations, chosen by shape at trace time:
-    gathered (decode: M * top_k < E for M tokens): each token reads only its top_k experts'
-      weights, which is what bounds a decode step (weight bytes).
-    dense (prefill): every expert on every token, mixed by the router weights (zero off the
-      chosen experts); costs E/top_k times the routed FLOPs, fine for small models and checks.
-      A grouped GEMM (tokens sorted by expert) would replace it at scale.
-  """
-
-  def __init__(self, cfg: DeepseekV3Config, name: str, opts: Options, *, rngs: nnx.Rngs):
-    e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    fmt = opts.quant.fmt if opts.quantizes(f"{name}.experts") else None
-    kw = dict(fmt=fmt, ue8m0=opts.ue8m0, dtype=opts.dtype, param_dtype=opts.param_dtype,
-              implementation=opts.implementation, rngs=rngs)
-    self.gate_proj = StackedLinear(e, h, i, **kw)
-    self.up_proj = StackedLinear(e, h, i, **kw)
-    self.down_proj = StackedLinear(e, i, h, **kw)
-    self.num_experts, self.dtype = e, opts.dtype
-
-  @property
-  def takes_fp8(self) -> bool:
-    return is_fp8(self.gate_proj)
-
-  def _act(self, g, u):
-    return (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(self.dtype)
-
-  def __call__(self, x: jax.Array | QuantizedActivation, weights: jax.Array, idx: jax.Array,
-               *, gathered: bool | None = None) -> jax.Array:
-    """x `[..., H]`; weights, idx `[..., top_k]` from the router -> `[..., H]`.
-    `gathered`: force a formulation (None: by shape)."""
-    lead, k = weights.shape[:-1], weights.shape[-1]
-    m = math.prod(lead)
-    if gathered if gathered is not None else m * k < self.num_experts:
-      flat = (x.with_layout("row").flatten() if isinstance(x, QuantizedActivation)  # [M, H]
-              else x.reshape(m, x.shape[-1]))
-      ids = idx.reshape(m, k)
-      h = self._act(self.gate_proj.gathered(flat, ids), self.up_proj.gathered(flat, ids))
-      y = self.down_proj.gathered(h, ids, batched=True)  # [M, k, H]
-      y = jnp.einsum("mjh,mj->mh", y.astype(jnp.float32), weights.reshape(m, k))
-      return y.reshape(*lead, -1).astype(self.dtype)
-    dense = jnp.einsum("...k,...ke->...e", weights,
-                       jax.nn.one_hot(idx, self.num_experts, dtype=jnp.float32))
-    h = self._act(self.gate_proj(x), self.up_proj(x))  # [E, ..., I]
-    y = self.down_proj(h, batched=True)  # [E, ..., H]
-    return jnp.einsum("e...h,...e->...h", y.astype(jnp.float32), dense).astype(self.dtype)
-
-
 class MoE(nnx.Module):
   """`experts(x, gate(x_hp)) + shared_experts(x)`, x `[..., H]` -> `[..., H]`.
 
@@ -205,7 +155,11 @@ class MoE(nnx.Module):
 
   def __init__(self, cfg: DeepseekV3Config, name: str, opts: Options, *, rngs: nnx.Rngs):
     self.gate = Router(cfg, rngs=rngs)
-    self.experts = Experts(cfg, name, opts, rngs=rngs)
+    fmt = opts.quant.fmt if opts.quantizes(f"{name}.experts") else None
+    self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                           fmt=fmt, ue8m0=opts.ue8m0, dtype=opts.dtype,
+                           param_dtype=opts.param_dtype, act=silu_mul(opts.dtype),
+                           implementation=opts.implementation, rngs=rngs)
     self.shared_experts = (
         MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                       f"{name}.shared_experts", opts, rngs=rngs)

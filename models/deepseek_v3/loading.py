@@ -15,9 +15,10 @@ from jfusedq.nn import Fp8Linear, RMSNorm, StackedLinear
 from models.common import check_loaded, checkpoint_quant, set_param
 from models.common.layers import Impl
 from models.common.loading import open_checkpoint, report_unread
+from models.common.moe import Experts
 from models.common.sharding import Where, param_shardings
 from models.deepseek_v3.config import MODEL_TYPES, DeepseekV3Config
-from models.deepseek_v3.layers import MLP, Experts
+from models.deepseek_v3.layers import MLP
 from models.deepseek_v3.model import DeepseekV3ForCausalLM
 
 

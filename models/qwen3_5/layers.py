@@ -43,10 +43,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jfusedq.nn import Linear, RMSNorm, StackedLinear, high_precision
+from jfusedq.nn import Linear, RMSNorm, high_precision
 from jfusedq.ops.gated_delta_rule import gated_delta_rule
 from jfusedq.ops.rmsnorm_quant.reference import rmsnorm as rmsnorm_f32
 from models.common import MLP, Options, prepare, rotate_half_rope, write_cache
+from models.common.moe import Experts, silu_round_mul
 from models.qwen3_5.config import GDN, Qwen35Config
 
 CHUNK = 64  # chunk length of the prefill gated delta rule (HF and fla use 64)
@@ -218,9 +219,9 @@ class SparseMoe(nnx.Module):
     p = softmax(router(x.hp))                 [B, T, E] f32 (router in f32 from the bf16 copy)
     w = top-k of p (renormalised when norm_topk_prob), zero elsewhere
     out = sum_e w_e down_e(silu(gate_e(x)) * up_e(x)) + sigmoid(shared_gate(x.hp)) shared(x)
-  Dense formulation: every expert runs on every token (fine for small E; a grouped GEMM over
-  routed tokens is the production form). Under TP the experts' intermediate dimension is
-  sharded (gate/up column-, down row-parallel): the output is a partial sum.
+  The routed experts compute only the tokens that picked them (`models.common.moe.Experts`).
+  Under TP the experts' intermediate dimension is sharded (gate/up column-, down row-parallel):
+  the output is a partial sum.
   """
 
   def __init__(self, cfg: Qwen35Config, layer: int, opts: Options, *, rngs: nnx.Rngs):
@@ -232,13 +233,12 @@ class SparseMoe(nnx.Module):
     self.gate = Linear(h, e, dtype=jnp.float32, param_dtype=opts.param_dtype, rngs=rngs)
     fp8 = any(opts.quantizes(f"{name}experts.{i}.{p}") for i in range(e)
               for p in ("gate_proj", "up_proj", "down_proj"))
-    fmt = opts.quant.fmt if fp8 else None
-    init = nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=(0,))
-    kw = dict(fmt=fmt, ue8m0=opts.ue8m0, dtype=opts.dtype, param_dtype=opts.param_dtype,
-              kernel_init=init, implementation=opts.implementation, rngs=rngs)
-    self.experts_gate = StackedLinear(e, h, inter, **kw)
-    self.experts_up = StackedLinear(e, h, inter, **kw)
-    self.experts_down = StackedLinear(e, inter, h, **kw)
+    self.experts = Experts(e, h, inter, fmt=opts.quant.fmt if fp8 else None, ue8m0=opts.ue8m0,
+                           dtype=opts.dtype, param_dtype=opts.param_dtype,
+                           act=silu_round_mul(opts.dtype), implementation=opts.implementation,
+                           kernel_init=nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2,
+                                                                     batch_axis=(0,)),
+                           rngs=rngs)
     self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, name + "shared_expert.",
                              opts, rngs=rngs)
     self.shared_expert_gate = Linear(h, 1, dtype=jnp.float32, param_dtype=opts.param_dtype,
@@ -253,12 +253,7 @@ class SparseMoe(nnx.Module):
     if self.norm_topk:
       top = top / jnp.sum(top, axis=-1, keepdims=True)
     # HF casts the routing weights to the activation dtype before weighting the experts.
-    top = top.astype(self.dtype).astype(jnp.float32)
-    w = jnp.sum(jax.nn.one_hot(idx, probs.shape[-1], dtype=jnp.float32) * top[..., None], -2)
-    g = self.experts_gate(x).astype(jnp.float32)
-    a = (jax.nn.silu(g).astype(self.dtype) * self.experts_up(x)).astype(self.dtype)
-    y = self.experts_down(a, batched=True)  # [E, B, T, H]
-    routed = jnp.einsum("e...h,...e->...h", y.astype(jnp.float32), w)
+    routed = self.experts(x, top.astype(self.dtype).astype(jnp.float32), idx)
     shared = self.shared_expert(x).astype(jnp.float32) * jax.nn.sigmoid(
         self.shared_expert_gate(hp).astype(jnp.float32))
     return (routed.astype(self.dtype) + shared.astype(self.dtype)).astype(self.dtype)

@@ -72,8 +72,8 @@ class _Loader:
   def experts(self, moe: SparseMoe, base: str) -> None:
     e, h = self.cfg.num_experts, self.cfg.hidden_size
     inter = self.cfg.moe_intermediate_size
-    mods = {"gate_proj": moe.experts_gate, "up_proj": moe.experts_up,
-            "down_proj": moe.experts_down}
+    mods = {"gate_proj": moe.experts.gate_proj, "up_proj": moe.experts.up_proj,
+            "down_proj": moe.experts.down_proj}
     fused = f"{base}experts.gate_up_proj"
     if f"{base}experts.0.gate_proj.weight" in self.ckpt:
       for p, mod in mods.items():
@@ -89,9 +89,10 @@ class _Loader:
       stored = lambda name, shape: lazy.F32(self.ckpt.tensor(name, shape=shape, dtype=FLOATS))
       gu = stored(fused, (e, 2 * inter, h))
       dn = stored(f"{base}experts.down_proj", (e, h, inter))
-      for mod, w, name in ((moe.experts_gate, lazy.Take(gu, np.arange(inter), 1), fused),
-                           (moe.experts_up, lazy.Take(gu, np.arange(inter, 2 * inter), 1), fused),
-                           (moe.experts_down, dn, f"{base}experts.down_proj")):
+      ex = moe.experts
+      for mod, w, name in ((ex.gate_proj, lazy.Take(gu, np.arange(inter), 1), fused),
+                           (ex.up_proj, lazy.Take(gu, np.arange(inter, 2 * inter), 1), fused),
+                           (ex.down_proj, dn, f"{base}experts.down_proj")):
         if mod.weight_scale_inv is None:
           set_param(mod.weight, lazy.place(w, self.pdt, self.where(mod.weight)),
                     self.ckpt.prefix + name)

@@ -15,9 +15,8 @@ from jax.sharding import PartitionSpec as P
 from models import common
 from models.qwen3_5.config import GDN
 
-COLUMN = {"in_proj_qkvz", "in_proj_ba", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
-          "experts_gate", "experts_up"}
-ROW = {"o_proj", "out_proj", "down_proj", "experts_down"}
+COLUMN = {"in_proj_qkvz", "in_proj_ba", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+ROW = {"o_proj", "out_proj", "down_proj"}
 HEADS = {"conv_weight", "A_log", "dt_bias"}
 
 

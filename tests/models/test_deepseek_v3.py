@@ -241,8 +241,10 @@ def test_tensor_parallel_equals_single_device(n, dtype, monkeypatch):
   # prepare_mlp, layer 1's prepare_attn and prepare_mlp.
   assert calls == ["tp"] * 3
   if dtype == "float32":
-    # Partial sums added in another order: f32 ulps (measured 3e-7).
-    assert rel_rms(got, want) <= 1e-5
+    # Partial sums added in another order differ by f32 ulps; where one sits that close to an
+    # FP8 rounding midpoint, the next quantisation moves its code a step (measured: 8e-8 on 2
+    # devices, 2.7e-4 on 4, where one such code moved).
+    assert rel_rms(got, want) <= 2e-3
   else:
     # Each device rounds its partial sum to bf16 before the all-reduce, so the sums differ by
     # bf16 ulps and ~2% of FP8 codes move a step: ~1% relative measured.
@@ -275,8 +277,9 @@ def test_random_init_model():
 
 
 @pytest.mark.parametrize("quant", [True, False], ids=["fp8", "bf16"])
-def test_moe_gathered_equals_dense(quant):
-  """The decode formulation (each token reads its top_k experts) against the dense one."""
+def test_moe_gathered_equals_sorted(quant):
+  """The decode formulation (a product per (token, expert) pair) against the sorted one (pairs
+  sorted by expert through ragged products)."""
   model = ds.DeepseekV3ForCausalLM(TINY, fp8=QuantConfig(Fp8Format.e4m3fn()) if quant else False,
                                    rngs=nnx.Rngs(1))
   moe = model.layers[1].mlp

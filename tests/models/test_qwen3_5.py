@@ -301,8 +301,8 @@ def test_fused_bf16_experts():
   assert a.keys() == b.keys()
   for k in a:
     np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-  q8 = model("bf16_vlm", fp8=True).layers[2].mlp.experts_up
-  dense = model("hf", **kw).layers[2].mlp.experts_up.weight[...]
+  q8 = model("bf16_vlm", fp8=True).layers[2].mlp.experts.up_proj
+  dense = model("hf", **kw).layers[2].mlp.experts.up_proj.weight[...]
   q, s = jax.vmap(lambda w: quantize_weight(w, jfusedq.Fp8Format.e4m3fn()))(dense)
   np.testing.assert_array_equal(np.asarray(q8.weight[...]).view(np.uint8),
                                 np.asarray(q).view(np.uint8))

@@ -1,0 +1,103 @@
+"""Routed MoE experts shared by the models: the (token, expert) pairs a router picked, sorted by
+expert on the device, through grouped products whose work grows with tokens x top_k.
+
+For M tokens routed to k experts each (weights w, ids idx `[M, k]`) and expert
+e(x) = down_e(act(gate_e(x), up_e(x))):
+
+    y[m] = sum_j w[m, j] * e_{idx[m, j]}(x[m])                     (f32 sum, then dtype)
+
+Two formulations, picked at trace time by shape:
+  gathered  (FP8, M * k < E: decode) a product per pair, each reading its pair's expert in
+            place (`grouped_fp8_matmul`); a step reads only the chosen experts' weights.
+  sorted    (otherwise, and always in bf16) the M * k pairs sorted by expert (a stable argsort:
+            ties keep token order), `group_sizes` counted by expert; gate and up as ragged
+            products reading each pair's token row in place, `act`, the down product on the
+            sorted hidden rows, then the rows back in pair order and mixed by w. Expert weights
+            are read in place (no gathered copy) and no expert computes a token it was not
+            picked for.
+Expert ids outside [0, E) count for no group: their pairs give zero rows, never another expert's
+output.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jfusedq.fp8 import QuantizedActivation
+from jfusedq.nn import StackedLinear
+from jfusedq.ops.fp8_matmul import activation_format, scale_layout
+from jfusedq.ops.group_quant import group_quant
+
+
+def silu_mul(dtype) -> Callable:
+  """`(silu(g) * u)` in f32 from the projections' outputs, rounded once to dtype (DeepSeek-V3)."""
+  return lambda g, u: (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dtype)
+
+
+def silu_round_mul(dtype) -> Callable:
+  """`silu(g)` rounded to dtype, times u in dtype (Hugging Face's Qwen3.5 experts)."""
+  return lambda g, u: (jax.nn.silu(g.astype(jnp.float32)).astype(dtype) * u).astype(dtype)
+
+
+class Experts(nnx.Module):
+  """E routed SwiGLU experts, weights stacked as Hugging Face lays them out: `gate_proj` and
+  `up_proj` `[E, I, H]`, `down_proj` `[E, H, I]` (FP8 with 128 x 128 block scales when `fmt`
+  is given). Under tensor parallelism I is split (gate/up column-, down row-parallel): the
+  output is a partial sum. Formulas in the module docstring."""
+
+  def __init__(self, num: int, hidden: int, intermediate: int, *, fmt, ue8m0: bool, dtype,
+               param_dtype, act: Callable, implementation=None,
+               kernel_init: Callable | None = None, rngs: nnx.Rngs):
+    kw = dict(fmt=fmt, ue8m0=ue8m0, dtype=dtype, param_dtype=param_dtype,
+              implementation=implementation, rngs=rngs)
+    if kernel_init is not None:
+      kw["kernel_init"] = kernel_init
+    self.gate_proj = StackedLinear(num, hidden, intermediate, **kw)
+    self.up_proj = StackedLinear(num, hidden, intermediate, **kw)
+    self.down_proj = StackedLinear(num, intermediate, hidden, **kw)
+    self.num_experts, self.dtype, self.act = num, dtype, act
+
+  @property
+  def takes_fp8(self) -> bool:
+    return self.gate_proj.fmt is not None
+
+  def __call__(self, x: jax.Array | QuantizedActivation, weights: jax.Array, idx: jax.Array,
+               *, gathered: bool | None = None) -> jax.Array:
+    """x `[..., H]`; weights, idx `[..., k]` from the router -> `[..., H]`.
+    `gathered`: force a formulation (None: by shape, module docstring)."""
+    lead, k = weights.shape[:-1], weights.shape[-1]
+    m = math.prod(lead)
+    if gathered is None:
+      gathered = self.takes_fp8 and m * k < self.num_experts
+    flat = x.flatten() if isinstance(x, QuantizedActivation) else x.reshape(m, x.shape[-1])
+    ids = idx.reshape(m, k)
+    y = (self._gathered(flat, ids) if gathered else self._sorted(flat, ids))  # [M, k, H]
+    y = jnp.einsum("mjh,mj->mh", y.astype(jnp.float32), weights.reshape(m, k))
+    return y.reshape(*lead, -1).astype(self.dtype)
+
+  def _gathered(self, x, ids):
+    x = x.with_layout("row") if isinstance(x, QuantizedActivation) else x
+    h = self.act(self.gate_proj.gathered(x, ids), self.up_proj.gathered(x, ids))
+    return self.down_proj.gathered(h, ids, batched=True)
+
+  def _sorted(self, x, ids):
+    m, k = ids.shape
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rows = (order // k).astype(jnp.int32)  # the token of each sorted pair
+    sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+    if self.takes_fp8 and not isinstance(x, QuantizedActivation):
+      # Once for both projections (each would quantise its own copy).
+      x = group_quant(x, fmt=activation_format(self.gate_proj.weight.dtype),
+                      ue8m0=self.gate_proj.ue8m0, layout=scale_layout(m),
+                      implementation=self.gate_proj.implementation)
+    h = self.act(self.gate_proj.ragged(x, sizes, rows), self.up_proj.ragged(x, sizes, rows))
+    y = self.down_proj.ragged(h, sizes)  # [M * k, H], sorted pairs
+    # Back to pair order: the inverse permutation gathers rows (an index scatter, no row one).
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(m * k, dtype=order.dtype))
+    return y[inverse].reshape(m, k, -1)
