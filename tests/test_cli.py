@@ -78,6 +78,43 @@ def test_run_prints_the_ranges_at_the_size_they_were_measured_at(tmp_path, capsy
   assert "expected " in capsys.readouterr().out
 
 
+def test_ratios_say_their_direction():
+  assert runner.direction("fused/bf16", 3.009) == "fused 3.01x slower than bf16"
+  assert runner.direction("fused/unfused", 0.8) == "fused 1.25x faster than unfused"
+  assert runner.direction("fused/unfused", 1.0004) == "fused as fast as unfused"
+
+
+def test_table_of_a_gpu_run():
+  """A GPU run's table (the CPU suite cannot make one): kernel times, who sets the pace, no
+  CPU caveats."""
+  kernels = dict(total=180, fusion=150, **{"custom-call": 30}, collective=0, other=0)
+  path = dict(compile_s=1.0, prefill_ms=2.0, step_ms=1.1, step_ms_p10=1.0, step_ms_p90=1.2,
+              enqueue_ms=0.5, device_ms=1.0, tokens_per_s=900.0, kernels=kernels)
+  r = dict(model="deepseek-v3-layers", platform="gpu", device="NVIDIA H200", tp=1, batch=1,
+           prompt_len=16, layers=4, repeats=2, steps=8, steps_per_call=8,
+           paths={"unfused": dict(path, step_ms=1.2, kernels=dict(kernels, total=196)),
+                  "fused": path},
+           ratios={"fused/unfused": dict(ratio=1.1 / 1.2, within_noise=False)},
+           kernels_saved_per_step=16, kernels_saved_per_layer=4.0, numerics={})
+  text = runner.table(r)
+  assert "fused: a step's wall time is 1.10x its kernel time; enqueueing it takes the host 0.50x" \
+      " the kernel time (the GPU sets the pace)" in text
+  assert "step time fused/unfused: 0.917x, fused 1.09x faster than unfused" in text
+  assert "the fused path launches 16 fewer, 4.00 a layer on average over its 4 layers" in text
+  assert "CPU" not in text
+
+
+def test_out_names_a_file_or_a_folder(tmp_path):
+  from models.cli import _output
+  assert _output(str(tmp_path / "a" / "r.json"), "run_x.json", ".json") == str(
+      tmp_path / "a" / "r.json")
+  assert (tmp_path / "a").is_dir()
+  assert _output(str(tmp_path / "b"), "run_x.json", ".json") == str(tmp_path / "b" / "run_x.json")
+  (tmp_path / "old.json").mkdir()  # a folder named like a file stays a folder
+  assert _output(str(tmp_path / "old.json"), "run_x.json", ".json") == str(
+      tmp_path / "old.json" / "run_x.json")
+
+
 def test_fp8_cost_reads_the_accuracy_results(tmp_path):
   """The trained-model reference: the main case's XLA rows in the format asked, amax scales."""
   cost = runner.fp8_cost("e4m3fn")
