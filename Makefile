@@ -41,6 +41,8 @@ HF_REF ?= build/hf_reference
 HF_STAMP := $(HF_VENV)/.installed
 
 $(HF_STAMP):
+	@command -v $(HF_PY) >/dev/null || { echo "make test needs $(HF_PY) for PyTorch's CPU wheel" \
+	  "(and network access to install it): install it, or pass HF_PY=/path/to/python3.11"; exit 1; }
 	rm -rf $(HF_VENV); $(HF_PY) -m venv $(HF_VENV)
 	$(HF_VENV)/bin/python -m pip install -q torch==2.13.0 transformers==5.24.0 safetensors==0.8.0
 	@touch $(HF_STAMP)

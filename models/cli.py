@@ -3,12 +3,13 @@
   jfusedq run    one model three ways from one set of weights (bf16, FP8 unfused, FP8 fused):
                  per-step decode times, kernels per step, numerics against bf16 (the main job)
   jfusedq demo   the fused add + RMSNorm + FP8 quant op alone, on the default device
-  jfusedq plot   a PNG of a benchmark results file
+  jfusedq plot   a PNG of a benchmark results file, a chart per op it times
 
 Bad input (an unknown preset, a checkpoint folder without config.json, a GGUF file of another
-architecture, --tp that does not split the heads, ...) is reported as one line on stderr with
-exit status 2, checked before anything compiles; JAX is imported only once the arguments are
-known good.
+architecture, --tp that does not split the heads or the FP8 weight blocks, an --out that cannot
+be written, ...) is reported as one line on stderr with exit status 2, checked before anything
+is built or compiled; JAX is imported only once the arguments are known good (`--help` and
+argument errors never import it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import json
 import os
 import sys
 import time
-import types
 
 from models import distributed
 from models.presets import PRESETS
@@ -90,8 +90,11 @@ def demo(args) -> int:
       jax.block_until_ready(fn(x, residual, weight))
       times.append(time.perf_counter() - t0)
     results[impl] = out
+    slow = ("; Pallas runs in interpret mode on CPU (its kernel emulated one grid step at a time):"
+            " a check of its results, not a speed" if impl == "pallas" and _target.interpret()
+            else "")
     print(f"  {impl:>6}: median {np.median(times) * 1e6:9.1f} us per call (wall clock, includes"
-          f" dispatch)")
+          f" dispatch){slow}")
   ref = results["xla"].quant
   q = results[next(iter(results))].quant
   print(f"q {q.q.shape} {q.q.dtype}, scale {q.scale.shape} {q.scale.dtype}")
@@ -149,18 +152,33 @@ def _hf_config(args) -> dict | None:
   return hf
 
 
-def _check_model(hf: dict | None, tp: int, where: str) -> None:
-  """Supported model_type (hf None: the GGUF file `where`, a Llama architecture) and heads that
-  split over `tp` devices (the model's own check_tp, on the config alone: nothing is built)."""
+def _check_model(hf: dict | None, tp: int, where: str, fp8: bool) -> None:
+  """Supported model_type (hf None: the GGUF file `where`, a Llama architecture) and, for
+  `tp` > 1, a model that splits over `tp` devices: its heads (`check_tp`) and, with `fp8`, its
+  FP8 weights in whole 128 x 128 blocks per device. Checked on the model built abstractly
+  (`nnx.eval_shape`: shapes only, no weights); the error names the --tp values that work."""
+  from flax import nnx
+
   from jfusedq import JfusedqError
   from models import registry
+  from models.common import checkpoint_quant, sharding
   try:
     if hf is None:
       fam, cfg = registry.gguf_config(where)
     else:
       fam = registry.family(hf.get("model_type"))
       cfg = fam.config.from_hf(hf)
-    fam.model.sharding.check_tp(types.SimpleNamespace(cfg=cfg), tp)
+    if tp == 1:
+      return
+    # The FP8 paths' projections, as the run builds or loads them (a checkpoint's
+    # modules_to_not_convert, as config.json names them, stay unquantised: no blocks to split).
+    quant = checkpoint_quant((hf or {}).get("quantization_config"), True, None) if fp8 else False
+    model = nnx.eval_shape(lambda: fam.model(cfg, fp8=quant, tp_axis="tp", rngs=nnx.Rngs(0)))
+    try:
+      sharding.split_specs(model, nnx.state(model), tp)
+    except ValueError as e:
+      sizes = ", ".join(map(str, sharding.tp_sizes(model)))
+      raise UsageError(f"{where}: --tp {tp}: {e}; --tp values that work here: {sizes}") from None
   except (ValueError, JfusedqError) as e:
     raise UsageError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
   except ModuleNotFoundError as e:
@@ -207,9 +225,29 @@ class _Progress:
       yield lambda: p.advance(task)
 
 
+def _output(out: str, default_name: str, suffix: str) -> str:
+  """The file an `--out OUT` option names: OUT itself when it ends in `suffix` (and is no
+  existing folder), else OUT/`default_name`, OUT a folder. The folder is created now, so a
+  path that cannot be written fails before the work rather than after it."""
+  is_file = out.endswith(suffix) and not os.path.isdir(out)
+  folder = (os.path.dirname(out) or ".") if is_file else out
+  if os.path.exists(folder) and not os.path.isdir(folder):
+    raise UsageError(f"--out {out}: {folder} is a file, not a folder (give a folder for "
+                     f"{default_name}, or a file name ending in {suffix})")
+  try:
+    os.makedirs(folder, exist_ok=True)
+  except OSError as e:
+    raise UsageError(f"--out {out}: cannot create the folder {folder} ({e.strerror})") from None
+  if not os.access(folder, os.W_OK):
+    raise UsageError(f"--out {out}: the folder {folder} is not writable")
+  return out if is_file else os.path.join(folder, default_name)
+
+
 def run(args) -> int:
   hf = _hf_config(args)
   where = args.checkpoint or args.model
+  name = os.path.basename(os.path.normpath(where)).removesuffix(".gguf")
+  out = _output(args.out, f"run_{name}.json", ".json") if args.out else None
   if args.tp > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     # Simulated CPU devices for --tp on a machine without accelerators; ignored by GPU backends.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -222,9 +260,7 @@ def run(args) -> int:
     raise UsageError(f"--tp {args.tp} needs {args.tp} devices; {n} available")
   if n % args.tp:
     raise UsageError(f"--tp {args.tp} does not divide the {n} devices")
-  _check_model(hf, args.tp, where)
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
+  _check_model(hf, args.tp, where, fp8=set(args.paths) != {"bf16"})
   from models import run as runner
   progress = _Progress()
   result = runner.run(args.model if not args.checkpoint else None, args.checkpoint,
@@ -234,12 +270,10 @@ def run(args) -> int:
   if not distributed.is_main():
     return 0  # every process holds the results; process 0 prints them
   print(runner.table(result))
-  if args.out:
-    name = os.path.basename(os.path.normpath(where)).removesuffix(".gguf")
-    path = os.path.join(args.out, f"run_{name}.json")
-    with open(path, "w") as f:
+  if out:
+    with open(out, "w") as f:
       json.dump(runner.to_json(result), f, indent=1, default=float)
-    print(f"wrote {path}")
+    print(f"wrote {out}")
   return 0
 
 
@@ -251,63 +285,130 @@ def case_labels(cases: list[dict]) -> list[str]:
   return [",".join(f"{k}={c[k]}" for k in varying if k in c) for c in cases]
 
 
-def plot(args) -> int:
-  """PNG of a benchmark results file: time per case for each implementation."""
+def _benchmark_rows(path: str) -> dict:
+  """A benchmark results file (benchmarks/results/*.json) whose rows each have a time, or
+  UsageError saying what the file is instead."""
   need = {"case", "impl", "time_us"}
   try:
-    with open(args.results) as f:
+    with open(path) as f:
       doc = json.load(f)
-    bad = [need - set(r) for r in doc["rows"] if not need <= set(r)]
   except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise UsageError(f"{args.results}: unreadable ({e})") from None
-  except (KeyError, TypeError):
-    bad = [{"rows"}]
+    raise UsageError(f"{path}: unreadable ({e})") from None
+  if isinstance(doc, dict) and "paths" in doc and "rows" not in doc:
+    raise UsageError(f"{path}: a `jfusedq run` result, whose figures are the table `jfusedq run` "
+                     f"prints; plot draws a benchmark results file (benchmarks/results/*.json)")
+  rows = doc.get("rows") if isinstance(doc, dict) else None
+  if not isinstance(rows, list) or not rows:
+    raise UsageError(f"{path}: no list of \"rows\": not a benchmark results file "
+                     f"(benchmarks/results/*.json)")
+  bad = [need - set(r) if isinstance(r, dict) else need for r in rows
+         if not isinstance(r, dict) or not need <= set(r)]
   if bad:
-    raise UsageError(f"{args.results}: rows without {sorted(bad[0])}: plot draws time_us per "
-                     f"case and implementation")
+    raise UsageError(f"{path}: rows without {sorted(bad[0])}: plot draws time_us per case and "
+                     f"implementation")
+  return doc
+
+
+def panels(rows: list[dict], benchmark: str) -> dict[str, list[dict]]:
+  """The rows of each op a results file times, by the case's "op" (the rmsnorm_quant
+  benchmark also times group_quant alone), its own op where the case names none: one chart
+  each, as their times are of different work."""
+  out: dict[str, list[dict]] = {}
+  for r in rows:
+    out.setdefault(str(r["case"].get("op", benchmark)), []).append(r)
+  return out
+
+
+def plot(args) -> int:
+  """PNG of a benchmark results file: time per case for each implementation, a chart per op."""
+  doc = _benchmark_rows(args.results)
+  stem = os.path.splitext(os.path.basename(args.results))[0]
+  if args.out is None:
+    folder = os.path.dirname(args.results) or "."
+    if not os.access(folder, os.W_OK):
+      raise UsageError(f"{folder} is not writable, so {stem}.png cannot go next to "
+                       f"{args.results}: give --out")
+    path = os.path.join(folder, f"{stem}.png")
+  else:
+    path = _output(args.out, f"{stem}.png", ".png")
   try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
   except ImportError:
     raise UsageError("jfusedq plot needs matplotlib: pip install 'jfusedq[plot]'") from None
-  cases = list(dict.fromkeys(json.dumps(r["case"], sort_keys=True) for r in doc["rows"]))
-  impls = list(dict.fromkeys(r["impl"] for r in doc["rows"] if "(" not in r["impl"]))
-  fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(cases)), 5))
-  width = 0.8 / max(len(impls), 1)
-  for j, impl in enumerate(impls):
-    by_case = {json.dumps(r["case"], sort_keys=True): r for r in doc["rows"] if r["impl"] == impl}
-    xs = [i for i, c in enumerate(cases) if c in by_case]
-    bars = ax.bar([x + j * width for x in xs], [by_case[cases[x]]["time_us"] for x in xs],
-                  width, label=impl)
-    # A row whose correctness check failed is drawn hatched: a time, never a speed-up.
-    for bar, x in zip(bars, xs):
-      if by_case[cases[x]].get("correct") is False:
-        bar.set_hatch("xx")
-        bar.set_edgecolor("black")
-  ax.set_yscale("log")
-  ax.set_ylabel("time per call (us); hatched: check failed")
-  labels = case_labels([json.loads(c) for c in cases])
-  ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], labels, rotation=70,
-                fontsize=7)
-  ax.set_title(f"{doc['benchmark']} on {doc['device']} (jax {doc['jax']}, {doc['date']})")
-  ax.legend()
-  fig.tight_layout()
-  os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, os.path.splitext(os.path.basename(args.results))[0] + ".png")
+  benchmark = doc.get("benchmark", stem)
+  # An implementation named with "(...)" is another figure of one already drawn (e.g. its
+  # wall time beside its kernel time), not an implementation of its own.
+  rows = [r for r in doc["rows"] if "(" not in r["impl"]]
+  groups = panels(rows, benchmark)
+  cases = [case_labels(list({json.dumps(r["case"], sort_keys=True): r["case"] for r in g}
+                            .values())) for g in groups.values()]
+  # Inches: half a one per case; a chart 3.5 high over its labels, a 7-point character of a
+  # label rotated by 60 degrees reaching about 0.05 down.
+  width = max(8, 0.5 * max(map(len, cases)))
+  heights = [3.5 + 0.05 * max(map(len, labels)) for labels in cases]
+  fig, axes = plt.subplots(len(groups), 1, figsize=(width, sum(heights)), squeeze=False,
+                           height_ratios=heights, layout="constrained")
+  for ax, (op, group) in zip(axes[:, 0], groups.items()):
+    _bars(ax, group)
+    if len(groups) > 1:
+      ax.set_title(op)
+    handles, names = ax.get_legend_handles_labels()
+    if any(b.get_hatch() for b in ax.patches):
+      handles.append(Patch(facecolor="white", edgecolor="black", hatch="xx"))
+      names.append("check failed")
+    ax.legend(handles, names)
+  fig.suptitle(f"{benchmark} on {doc.get('device', '?')} (jax {doc.get('jax', '?')}, "
+               f"{doc.get('date', '?')})")
   fig.savefig(path, dpi=120)
   print(f"wrote {path}")
   return 0
 
 
-def main(argv=None) -> int:
-  ap = _Parser(prog="jfusedq")
-  sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
-  d = sub.add_parser("demo", help="run fused add + RMSNorm + FP8 quant on the default device")
-  d.add_argument("--tokens", type=_positive, default=64)
-  d.add_argument("--hidden", type=_positive, default=7168)
-  d.add_argument("--reps", type=_positive, default=20)
-  d.add_argument("--seed", type=int, default=0)
+def _bars(ax, rows: list[dict]) -> None:
+  """One bar per case and implementation, grouped by case, on a log scale; a row whose
+  correctness check failed hatched (a time, never a speed-up)."""
+  key = lambda r: json.dumps(r["case"], sort_keys=True)
+  cases = list(dict.fromkeys(key(r) for r in rows))
+  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  width = 0.8 / len(impls)
+  for j, impl in enumerate(impls):
+    by_case = {key(r): r for r in rows if r["impl"] == impl}
+    xs = [i for i, c in enumerate(cases) if c in by_case]
+    bars = ax.bar([x + j * width for x in xs], [by_case[cases[x]]["time_us"] for x in xs],
+                  width, label=impl)
+    for bar, x in zip(bars, xs):
+      if by_case[cases[x]].get("correct") is False:
+        bar.set_hatch("xx")
+        bar.set_edgecolor("black")
+  ax.set_yscale("log")
+  ax.set_ylabel("time per call (us)")
+  # Each label under the middle of its group, its end at the tick: rotated about that end.
+  ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))],
+                case_labels([json.loads(c) for c in cases]), rotation=60,
+                horizontalalignment="right", rotation_mode="anchor", fontsize=7)
+  ax.set_xlim(-0.5, len(cases) - 0.1)
+
+
+EXAMPLES = """\
+examples:
+  jfusedq run                                 deepseek-v3-tiny with random weights, here
+  jfusedq run --model llama-tiny --out runs/  another preset; the results also as JSON
+  jfusedq run --checkpoint PATH               a Hugging Face folder or a Llama .gguf file
+  jfusedq run --help                          every option and preset
+  jfusedq demo                                the fused op alone
+  jfusedq plot benchmarks/results/rmsnorm_quant.json
+"""
+
+
+def parser() -> _Parser:
+  ap = _Parser(prog="jfusedq", description="FP8 inference with fused RMSNorm + quantisation: a "
+               "model's decode step\nthree ways (bf16, FP8 unfused, FP8 fused), the fused op "
+               "alone, and plots of\nbenchmark results.", epilog=EXAMPLES,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = ap.add_subparsers(dest="cmd", title="commands", metavar="COMMAND", parser_class=_Parser)
   r = sub.add_parser("run", help="a model three ways (bf16, FP8 unfused, FP8 fused): decode "
                                  "step times, kernels per step, numerics against bf16")
   r.add_argument("--model", default="deepseek-v3-tiny",
@@ -324,22 +425,49 @@ def main(argv=None) -> int:
   r.add_argument("--repeats", type=_positive, default=20,
                  help="timed rounds after a warm-up one: the median and p10-p90 per step are "
                       "over these (default %(default)s)")
-  r.add_argument("--tp", type=_positive, default=1, help="tensor-parallel devices")
+  r.add_argument("--tp", type=_positive, default=1,
+                 help="tensor-parallel devices (default %(default)s). On a machine without "
+                      "GPUs, jfusedq simulates N CPU devices in this one process: the split "
+                      "runs, but its times say nothing of a multi-GPU run")
   r.add_argument("--paths", nargs="+", choices=("bf16", "unfused", "fused"),
                  default=["bf16", "unfused", "fused"], help="paths to run (default all three)")
-  r.add_argument("--out", help="folder for the results, run_<model>.json")
-  r.add_argument("--seed", type=int, default=0, help="random weights and tokens")
+  r.add_argument("--out", help="where to write the results as JSON: a file name ending in "
+                               ".json, or a folder (created if needed) for run_<model>.json")
+  r.add_argument("--seed", type=int, default=0,
+                 help="seed of the random weights and prompt (default %(default)s)")
   distributed.add_arguments(r)
-  p = sub.add_parser("plot", help="PNG of a benchmarks/results/*.json file")
-  p.add_argument("results")
-  p.add_argument("--out", default=".", help="folder for <results name>.png (default: here)")
+  d = sub.add_parser("demo", help="fused add + RMSNorm + FP8 quant alone on the default "
+                                  "device, each implementation timed and checked against XLA")
+  d.add_argument("--tokens", type=_positive, default=64, help="rows (default %(default)s)")
+  d.add_argument("--hidden", type=_positive, default=7168,
+                 help="hidden size (default %(default)s)")
+  d.add_argument("--reps", type=_positive, default=20,
+                 help="timed calls per implementation (default %(default)s)")
+  d.add_argument("--seed", type=int, default=0, help="seed of the inputs (default %(default)s)")
+  p = sub.add_parser("plot", help="PNG of a benchmark results file (benchmarks/results/*.json)")
+  p.add_argument("results", help="a benchmark results file, e.g. "
+                                 "benchmarks/results/rmsnorm_quant.json")
+  p.add_argument("--out", help="a file name ending in .png, or a folder (created if needed) for "
+                               "<results name>.png (default: next to the results file)")
+  return ap
+
+
+def main(argv=None) -> int:
+  ap = parser()
   try:
     args = ap.parse_args(argv)
+    if args.cmd is None:  # bare `jfusedq`: what it can do, not a missing-argument error
+      ap.print_help()
+      return 2
     return {"demo": demo, "run": run, "plot": plot}[args.cmd](args)
   except UsageError as e:
     print(e if str(e).startswith("jfusedq") else f"jfusedq: {e}", file=sys.stderr)
     return 2
-  except _input_errors() as e:
+  except Exception as e:
+    # Tested here, not in an `except` clause of its own: that clause's expression would run
+    # (importing JAX) for every exception passing through, `--help`'s SystemExit included.
+    if not isinstance(e, _input_errors()):
+      raise
     print(f"jfusedq: {type(e).__name__}: {e}", file=sys.stderr)
     return 2
 

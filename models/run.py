@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import glob
 import json
 import os
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -84,21 +86,39 @@ EXPECTED = {
 }
 
 
+def expected_range(preset: str | None, pair: tuple[str, str]) -> dict | None:
+  """EXPECTED's range for `pair` of `preset` as named fields (None where none was measured)."""
+  r = EXPECTED.get(preset, {}).get(pair)
+  return None if r is None else dict(zip(("kl_low", "kl_high", "top1_low", "top1_high"), r))
+
+
 def at_range_size(batch: int, prompt_len: int) -> bool:
   """Whether a run of this size is the one EXPECTED's ranges were measured at."""
   return (batch, prompt_len) == (RANGE_BATCH, RANGE_PROMPT)
 
 
 # What FP8 costs on a trained model: the accuracy benchmark's results, in a checkout.
-ACCURACY = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks",
-                        "results", "accuracy.json")
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ACCURACY = os.path.join(CHECKOUT, "benchmarks", "results", "accuracy.json")
+
+
+def checkout_commit() -> str | None:
+  """The commit of the checkout this code runs from, "-dirty" appended when its tracked files
+  differ from it (git describe); None outside a git checkout or without git."""
+  try:
+    p = subprocess.run(["git", "-C", CHECKOUT, "describe", "--always", "--dirty"],
+                       capture_output=True, text=True, timeout=30)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return (p.stdout.strip() or None) if p.returncode == 0 else None
 
 
 def fp8_cost(fmt: str, path: str = ACCURACY) -> dict | None:
   """The trained-model reference for the FP8 paths in format `fmt`, from the accuracy
-  benchmark's results: {"case", "commit", "bf16_nll", "unfused"/"fused": (NLL - bf16 NLL, its
-  standard error)} on its main case with the XLA ops and amax scales; None where the file (a
-  checkout's) is absent or has no such rows."""
+  benchmark's results: {"case" (its model, text and tokens), "commit", "date", "device",
+  "bf16_nll", "unfused"/"fused": {"nll_delta": NLL - bf16 NLL, "se": its standard error}} on
+  its main case with the XLA ops and amax scales; None where the file (a checkout's) is absent
+  or has no such rows."""
   try:
     with open(path) as f:
       doc = json.load(f)
@@ -111,11 +131,13 @@ def fp8_cost(fmt: str, path: str = ACCURACY) -> dict | None:
   tokens = max(r["case"]["tokens"] for r in rows)
   main = [r for r in rows if r["case"]["tokens"] == tokens]
   bf16 = next((r for r in main if r["format"] is None), None)
-  fp8 = {("fused" if r["fused"] else "unfused"): (r["delta_vs_bf16"], r["delta_se"])
+  fp8 = {("fused" if r["fused"] else "unfused"): dict(nll_delta=r["delta_vs_bf16"],
+                                                      se=r["delta_se"])
          for r in main if r["format"] == fmt}
   if bf16 is None or not fp8:
     return None
-  return dict(case=bf16["case"], commit=doc.get("commit"), bf16_nll=bf16["nll"], **fp8)
+  return dict(case=bf16["case"], commit=doc.get("commit"), date=doc.get("date"),
+              device=doc.get("device"), bf16_nll=bf16["nll"], **fp8)
 
 
 @dataclasses.dataclass
@@ -439,10 +461,11 @@ def run(preset=None, checkpoint=None, *, batch=RANGE_BATCH, prompt_len=RANGE_PRO
                f"{time.perf_counter() - t0:.1f} s")
   cfg = next(iter(models.values())).cfg
   tokens = prompt(cfg.vocab_size, batch, prompt_len, seed)
-  result = dict(model=preset or checkpoint, platform=jax.devices()[0].platform,
-                device=jax.devices()[0].device_kind, tp=tp, batch=batch, prompt_len=prompt_len,
-                steps=steps, steps_per_call=chunk_for(steps), repeats=repeats,
-                layers=built.layers, paths={})
+  result = dict(model=preset or checkpoint, seed=seed, platform=jax.devices()[0].platform,
+                device=jax.devices()[0].device_kind, jax=jax.__version__,
+                commit=checkout_commit(), date=datetime.date.today().isoformat(), tp=tp,
+                batch=batch, prompt_len=prompt_len, steps=steps, steps_per_call=chunk_for(steps),
+                repeats=repeats, layers=built.layers, paths={})
   fp8_params = None  # the fused and unfused paths share one placed copy of the FP8 weights
   for name, model in models.items():
     forward, params = forward_fn(model, tp)
@@ -463,9 +486,10 @@ def run(preset=None, checkpoint=None, *, batch=RANGE_BATCH, prompt_len=RANGE_PRO
         fmt=default_format(), keep_bf16=True)
   runs = result["paths"]
   result["fp8_cost"] = (fp8_cost(default_format().name) if set(runs) - {"bf16"} else None)
-  expected = EXPECTED.get(preset, {}) if not checkpoint and at_range_size(batch, prompt_len) else {}
+  ranged = not checkpoint and at_range_size(batch, prompt_len)
   result["numerics"] = {f"{a} -> {b}": dict(agreement(runs[a]["logits"], runs[b]["logits"]),
-                                            expected=expected.get((a, b)))
+                                            expected=expected_range(preset, (a, b)) if ranged
+                                            else None)
                         for a, b in PAIRS if a in runs and b in runs}
   result["ratios"] = {}
   for num, den in (("fused", "bf16"), ("unfused", "bf16"), ("fused", "unfused")):
@@ -476,8 +500,9 @@ def run(preset=None, checkpoint=None, *, batch=RANGE_BATCH, prompt_len=RANGE_PRO
           within_noise=bool(n["step_ms_p10"] <= d["step_ms_p90"]
                             and d["step_ms_p10"] <= n["step_ms_p90"]))
   if "fused" in runs and "unfused" in runs:
-    result["kernels_saved_per_layer"] = (runs["unfused"]["kernels"]["total"] -
-                                         runs["fused"]["kernels"]["total"]) / built.layers
+    saved = runs["unfused"]["kernels"]["total"] - runs["fused"]["kernels"]["total"]
+    result["kernels_saved_per_step"] = saved
+    result["kernels_saved_per_layer"] = saved / built.layers
   return result
 
 
@@ -486,41 +511,74 @@ def _range(v: float, lo: float, hi: float, fmt: str) -> str:
   return f"expected {format(lo, fmt)}-{format(hi, fmt)}{inside}"
 
 
+def direction(key: str, ratio: float) -> str:
+  """A step-time ratio "num/den" in words: which path is faster, by how much."""
+  num, den = key.split("/")
+  if round(ratio, 3) == 1:
+    return f"{num} as fast as {den}"
+  if ratio > 1:
+    return f"{num} {ratio:.2f}x slower than {den}"
+  return f"{num} {1 / ratio:.2f}x faster than {den}"
+
+
+# The table's columns: the JSON keys of a path's figures (`to_json`), kernels by kind.
+COLUMNS = (("compile_s", 9), ("prefill_ms", 10), ("step_ms", 8), ("step_ms_p10-p90", 15),
+           ("enqueue_ms", 10), ("device_ms", 9), ("tokens_per_s", 12), ("kernels", 7),
+           ("fusion", 6), ("custom-call", 11), ("collective", 10), ("other", 5))
+
+
 def table(r: dict) -> str:
   lines = [f"{r['model']} on {r['platform']} ({r['device']}), tp={r['tp']}, batch {r['batch']},"
            f" prompt {r['prompt_len']}, {r['layers']} layers; decode: {r['repeats']} rounds of"
            f" {r['steps']} steps ({r['steps_per_call']} a call) after a warm-up round"]
-  if r["platform"] == "cpu":
+  cpu = r["platform"] == "cpu"
+  if cpu:
     lines.append("CPU: these are XLA:CPU wall times of a host-bound program, NOT kernel speeds "
                  "(kernel times come from a GPU run)")
-  head = (f"{'path':>8} {'compile s':>9} {'prefill ms':>10} {'ms/step':>8} {'p10-p90':>15} "
-          f"{'host ms/step':>12} {'device ms/step':>14} {'tok/s':>8} {'kernels/step':>12} "
-          f"{'fusion':>6} {'custom':>6} {'coll':>4} {'other':>5}")
+  lines.append("per path (the JSON keys; ms are per decode step, kernels those one step "
+               "launches):")
+  head = f"{'path':>8} " + " ".join(f"{name:>{w}}" for name, w in COLUMNS)
   lines += [head, "-" * len(head)]
   for name, x in r["paths"].items():
     k = x["kernels"]
     dev = "n/a" if x["device_ms"] is None else f"{x['device_ms']:.3f}"
-    spread = f"{x['step_ms_p10']:.3f}-{x['step_ms_p90']:.3f}"
-    lines.append(f"{name:>8} {x['compile_s']:9.2f} {x['prefill_ms']:10.2f} {x['step_ms']:8.3f} "
-                 f"{spread:>15} {x['enqueue_ms']:12.3f} {dev:>14} {x['tokens_per_s']:8.1f} "
-                 f"{k['total']:12d} {k['fusion']:6d} {k['custom-call']:6d} {k['collective']:4d} "
-                 f"{k['other']:5d}")
+    cells = (f"{x['compile_s']:.2f}", f"{x['prefill_ms']:.2f}", f"{x['step_ms']:.3f}",
+             f"{x['step_ms_p10']:.3f}-{x['step_ms_p90']:.3f}", f"{x['enqueue_ms']:.3f}", dev,
+             f"{x['tokens_per_s']:.1f}", k["total"], k["fusion"], k["custom-call"],
+             k["collective"], k["other"])
+    lines.append(f"{name:>8} " + " ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS)))
   for name, x in r["paths"].items():
     if x["device_ms"]:
-      lines.append(f"{name}: wall / device time per step {x['step_ms'] / x['device_ms']:.2f}x, "
-                   f"host enqueue / device {x['enqueue_ms'] / x['device_ms']:.2f}x")
+      wall, host = x["step_ms"] / x["device_ms"], x["enqueue_ms"] / x["device_ms"]
+      pace = "the host" if host >= 1 else "the GPU"
+      lines.append(f"{name}: a step's wall time is {wall:.2f}x its kernel time; enqueueing it "
+                   f"takes the host {host:.2f}x the kernel time ({pace} sets the pace)")
   for key, v in r["ratios"].items():
     noise = " (within noise: the p10-p90 spreads overlap)" if v["within_noise"] else ""
-    lines.append(f"step time {key}: {v['ratio']:.3f}x{noise}")
-  if "kernels_saved_per_layer" in r:
-    lines.append(f"kernels per layer saved by the fused path: {r['kernels_saved_per_layer']:+.2f}")
+    lines.append(f"step time {key}: {v['ratio']:.3f}x, {direction(key, v['ratio'])}{noise}")
+  if cpu and any(k.endswith("/bf16") for k in r["ratios"]):
+    lines += ["  why, on CPU: no FP8 units, so the FP8 paths run the XLA reference ops, which "
+              "widen every", "  FP8 weight to f32 and multiply in f32 each step; FP8's gain, "
+              "half the weight bytes read, needs a GPU"]
+  if "kernels_saved_per_step" in r:
+    p = r["paths"]
+    lines.append(f"kernels a decode step: unfused {p['unfused']['kernels']['total']}, fused "
+                 f"{p['fused']['kernels']['total']}: the fused path launches "
+                 f"{r['kernels_saved_per_step']} fewer, {r['kernels_saved_per_layer']:.2f} a "
+                 f"layer on average over its {r['layers']} layers")
+    if cpu:
+      lines.append("  counted in XLA:CPU's program, whose fusions are not a GPU's (on the H200 "
+                   "the fused path saves 2-4 a layer: benchmarks/README.md)")
   cost = r.get("fp8_cost")
   if cost:
     c = cost["case"]
-    paths = ", ".join(f"{p} {cost[p][0]:+.3f} +- {cost[p][1]:.3f}" for p in ("unfused", "fused")
-                      if p in cost)
-    lines.append(f"what FP8 costs, on a trained model (benchmarks/accuracy.py at {cost['commit']}:"
-                 f" {c['model'].split(' ')[0]}, {c['tokens']} tokens of {c['text']}):")
+    paths = ", ".join(f"{p} {cost[p]['nll_delta']:+.3f} +- {cost[p]['se']:.3f}"
+                      for p in ("unfused", "fused") if p in cost)
+    lines.append("what FP8 costs on a trained model (a stored result, not this run's model: the "
+                 "same for every --model):")
+    lines.append(f"  benchmarks/accuracy.py at {cost['commit']} on {cost['device']}, "
+                 f"{cost['date']} (benchmarks/results/accuracy.json)")
+    lines.append(f"  model {c['model']}; {c['tokens']} tokens of {c['text']}")
     lines.append(f"  next-token NLL bf16 {cost['bf16_nll']:.3f} nats; FP8 - bf16 {paths} (+- the "
                  f"standard error)")
   if r["numerics"]:
@@ -533,8 +591,9 @@ def table(r: dict) -> str:
                  f"({what}):")
   for key, a in r["numerics"].items():
     e = a["expected"]
-    kl_e = f" ({_range(a['kl'], e[0], e[1], '.2e')})" if e else " (no measured range)"
-    top_e = f" ({_range(a['top1'], e[2], e[3], '.3f')})" if e else ""
+    kl_e = (f" ({_range(a['kl'], e['kl_low'], e['kl_high'], '.2e')})" if e
+            else " (no measured range)")
+    top_e = f" ({_range(a['top1'], e['top1_low'], e['top1_high'], '.3f')})" if e else ""
     lines.append(f"  {key:>16}: KL {a['kl']:.2e} nats{kl_e}, top-1 {a['top1']:.3f}{top_e}")
   if "allreduce_strategy" in r:
     lines.append(f"all-reduce strategy at prepare_attn: {r['allreduce_strategy']}")
@@ -542,7 +601,7 @@ def table(r: dict) -> str:
 
 
 def to_json(r: dict) -> dict:
-  """`r` without the raw logits and tokens; numerics pairs' expected ranges as lists."""
+  """`r` without the raw logits and tokens."""
   out = dict(r, paths={k: {kk: vv for kk, vv in v.items() if kk not in ("logits", "last_tokens")}
                        for k, v in r["paths"].items()})
   return out

@@ -26,10 +26,18 @@ def test_run_three_paths(tmp_path, capsys, preset):
   assert main(["run", "--model", preset, "--batch", "1", "--prompt-len", "4", "--steps", "2",
                "--repeats", "2", "--out", str(tmp_path)]) == 0
   out = capsys.readouterr()
-  assert "NOT kernel speeds" in out.out and "kernels per layer saved by the fused path" in out.out
+  assert "NOT kernel speeds" in out.out and "the fused path launches" in out.out
+  # Every ratio says which way it goes, and on CPU why FP8 is slower there.
+  ratios = [line for line in out.out.splitlines() if line.startswith("step time ")]
+  assert len(ratios) == 3 and all(
+      any(w in line for w in (" slower than ", " faster than ", " as fast as ")) for line in ratios)
+  assert "why, on CPU: no FP8 units" in out.out
   for phase in ("built", "compiled bf16", "compiled fused", "rounds of 2 decode steps"):
     assert phase in out.err
   r = json.loads((tmp_path / f"run_{preset}.json").read_text())
+  # What the run was: enough to repeat it and to place it in the history.
+  assert r["seed"] == 0 and r["jax"] == jax.__version__ and r["date"]
+  assert r["commit"] == runner.checkout_commit() and r["commit"]
   paths = r["paths"]
   assert list(paths) == ["bf16", "unfused", "fused"]
   for x in paths.values():
@@ -38,17 +46,25 @@ def test_run_three_paths(tmp_path, capsys, preset):
     assert x["step_ms_p10"] <= x["step_ms"] <= x["step_ms_p90"] and x["enqueue_ms"] > 0
     assert x["device_ms"] is None  # no GPU profile on CPU
   # The fused prepare_attn / prepare_mlp (and MLA's dual norm) drop kernels in every layer.
-  assert paths["fused"]["kernels"]["total"] < paths["unfused"]["kernels"]["total"]
-  assert r["kernels_saved_per_layer"] > 0
+  saved = paths["unfused"]["kernels"]["total"] - paths["fused"]["kernels"]["total"]
+  assert saved > 0 and r["kernels_saved_per_step"] == saved
+  assert r["kernels_saved_per_layer"] == saved / r["layers"]
+  # The table's columns are the JSON's keys.
+  head = next(line.split() for line in out.out.splitlines() if line.split()[:1] == ["path"])
+  assert {k for k in head if k not in ("path", "step_ms_p10-p90")} <= (
+      set(paths["fused"]) | set(paths["fused"]["kernels"]))
   assert set(r["ratios"]) == {"fused/bf16", "unfused/bf16", "fused/unfused"}
   # One set of weights: FP8 is a small perturbation of bf16, not another random draw.
   for pair, a in r["numerics"].items():
     assert a["kl"] < 0.2, pair
     assert a["expected"] is None  # measured at RANGE_BATCH x RANGE_PROMPT, not at 1 x 4
   assert "ranges measured at batch 2 x prompt 16 only" in out.out
-  # What FP8 costs comes from the trained model, beside the random weights' agreement.
-  assert r["fp8_cost"]["bf16_nll"] == runner.fp8_cost("e4m3fn")["bf16_nll"]
-  assert "what FP8 costs, on a trained model" in out.out
+  # What FP8 costs comes from the trained model, beside the random weights' agreement, labelled
+  # as the stored result it is.
+  cost = runner.fp8_cost("e4m3fn")
+  assert r["fp8_cost"]["bf16_nll"] == cost["bf16_nll"]
+  assert "what FP8 costs on a trained model (a stored result, not this run's model" in out.out
+  assert f"model {cost['case']['model']}; " in out.out  # the source weights' quantisation too
 
 
 def test_run_prints_the_ranges_at_the_size_they_were_measured_at(tmp_path, capsys):
@@ -56,16 +72,55 @@ def test_run_prints_the_ranges_at_the_size_they_were_measured_at(tmp_path, capsy
   assert main(["run", "--model", "llama-tiny", "--paths", "bf16", "unfused", "--steps", "1",
                "--repeats", "1", "--out", str(tmp_path)]) == 0
   r = json.loads((tmp_path / "run_llama-tiny.json").read_text())
-  assert r["numerics"]["bf16 -> unfused"]["expected"] == list(
-      runner.EXPECTED["llama-tiny"][("bf16", "unfused")])
+  lo, hi, top_lo, top_hi = runner.EXPECTED["llama-tiny"][("bf16", "unfused")]
+  assert r["numerics"]["bf16 -> unfused"]["expected"] == dict(
+      kl_low=lo, kl_high=hi, top1_low=top_lo, top1_high=top_hi)
   assert "expected " in capsys.readouterr().out
+
+
+def test_ratios_say_their_direction():
+  assert runner.direction("fused/bf16", 3.009) == "fused 3.01x slower than bf16"
+  assert runner.direction("fused/unfused", 0.8) == "fused 1.25x faster than unfused"
+  assert runner.direction("fused/unfused", 1.0004) == "fused as fast as unfused"
+
+
+def test_table_of_a_gpu_run():
+  """A GPU run's table (the CPU suite cannot make one): kernel times, who sets the pace, no
+  CPU caveats."""
+  kernels = dict(total=180, fusion=150, **{"custom-call": 30}, collective=0, other=0)
+  path = dict(compile_s=1.0, prefill_ms=2.0, step_ms=1.1, step_ms_p10=1.0, step_ms_p90=1.2,
+              enqueue_ms=0.5, device_ms=1.0, tokens_per_s=900.0, kernels=kernels)
+  r = dict(model="deepseek-v3-layers", platform="gpu", device="NVIDIA H200", tp=1, batch=1,
+           prompt_len=16, layers=4, repeats=2, steps=8, steps_per_call=8,
+           paths={"unfused": dict(path, step_ms=1.2, kernels=dict(kernels, total=196)),
+                  "fused": path},
+           ratios={"fused/unfused": dict(ratio=1.1 / 1.2, within_noise=False)},
+           kernels_saved_per_step=16, kernels_saved_per_layer=4.0, numerics={})
+  text = runner.table(r)
+  assert "fused: a step's wall time is 1.10x its kernel time; enqueueing it takes the host 0.50x" \
+      " the kernel time (the GPU sets the pace)" in text
+  assert "step time fused/unfused: 0.917x, fused 1.09x faster than unfused" in text
+  assert "the fused path launches 16 fewer, 4.00 a layer on average over its 4 layers" in text
+  assert "CPU" not in text
+
+
+def test_out_names_a_file_or_a_folder(tmp_path):
+  from models.cli import _output
+  assert _output(str(tmp_path / "a" / "r.json"), "run_x.json", ".json") == str(
+      tmp_path / "a" / "r.json")
+  assert (tmp_path / "a").is_dir()
+  assert _output(str(tmp_path / "b"), "run_x.json", ".json") == str(tmp_path / "b" / "run_x.json")
+  (tmp_path / "old.json").mkdir()  # a folder named like a file stays a folder
+  assert _output(str(tmp_path / "old.json"), "run_x.json", ".json") == str(
+      tmp_path / "old.json" / "run_x.json")
 
 
 def test_fp8_cost_reads_the_accuracy_results(tmp_path):
   """The trained-model reference: the main case's XLA rows in the format asked, amax scales."""
   cost = runner.fp8_cost("e4m3fn")
   assert cost["bf16_nll"] > 2 and set(cost) >= {"unfused", "fused", "case", "commit"}
-  assert 0 < cost["fused"][0] < 0.08 and 0 < cost["fused"][1] < 0.05
+  assert 0 < cost["fused"]["nll_delta"] < 0.08 and 0 < cost["fused"]["se"] < 0.05
+  assert cost["case"]["model"].startswith("SmolLM2") and cost["date"] and cost["device"]
   assert runner.fp8_cost("e4m3fn", str(tmp_path / "absent.json")) is None
 
 
@@ -146,9 +201,11 @@ def test_chunk_for_divides_the_round():
 
 
 def test_run_tensor_parallel_reports_strategy(tmp_path):
+  """Also: an --out ending in .json is the file written, in a folder made for it."""
+  out = tmp_path / "new" / "tp2.json"
   assert main(["run", "--tp", "2", "--batch", "1", "--prompt-len", "4", "--steps", "1",
-               "--repeats", "1", "--paths", "fused", "--out", str(tmp_path)]) == 0
-  r = json.loads((tmp_path / "run_deepseek-v3-tiny.json").read_text())
+               "--repeats", "1", "--paths", "fused", "--out", str(out)]) == 0
+  r = json.loads(out.read_text())
   assert r["allreduce_strategy"] == "fused" and r["paths"]["fused"]["kernels"]["collective"] > 0
   assert list(r["paths"]) == ["fused"] and r["numerics"] == {}
 
@@ -183,8 +240,15 @@ BAD_RUN = {
     "tp beyond devices": (["--tp", "64"], "--tp 64 needs 64 devices; 8 available"),
     "tp not dividing devices": (["--tp", "3"], "--tp 3 does not divide the 8 devices"),
     "tp not dividing heads": (["--model", "qwen3.5-tiny", "--tp", "8"],
-                              "qwen3.5-tiny: tensor parallelism over 8 devices needs "
-                              "linear_num_key_heads=4 divisible by 8"),
+                              "qwen3.5-tiny: --tp 8: tensor parallelism over 8 devices needs "
+                              "linear_num_key_heads=4 divisible by 8; --tp values that work "
+                              "here: 1, 2"),
+    # Heads that split, FP8 weights that do not: 256 expert rows are 64 a device, half a block.
+    "tp splitting FP8 blocks": (["--tp", "4"],
+                                "deepseek-v3-tiny: --tp 4: FP8 parameter layers.1.mlp.experts."),
+    "tp splitting llama's blocks": (["--model", "llama-tiny", "--tp", "4"],
+                                    "would straddle two devices; --tp values that work here: "
+                                    "1, 2"),
     "tp zero": (["--tp", "0"], "argument --tp: must be a positive integer, got 0"),
     "batch zero": (["--batch", "0"], "argument --batch: must be a positive integer, got 0"),
     "steps negative": (["--steps", "-3"], "argument --steps: must be a positive integer"),
@@ -199,6 +263,8 @@ BAD_RUN = {
                                "model_type 'gpt2' is not supported (supported: "),
     "no tensors": (["--checkpoint", "{empty_weights}"],
                    "CheckpointError: no model.safetensors.index.json"),
+    "out is a file": (["--out", __file__], "is a file, not a folder"),
+    "out under a file": (["--out", __file__ + "/runs"], "cannot create the folder"),
 }
 
 
@@ -215,16 +281,62 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
   assert len(err) == 1 and want in err[0], err
 
 
+def test_tp_is_checked_before_building(monkeypatch, capsys):
+  """The split is checked on the model's shapes alone, before a weight is made."""
+  monkeypatch.setattr(runner, "build", lambda *a, **kw: pytest.fail("the model was built"))
+  assert main(["run", "--tp", "4", "--steps", "1"]) == 2
+  assert "--tp values that work here: 1, 2" in capsys.readouterr().err
+
+
+def test_tp_fp8_blocks_matter_only_with_an_fp8_path():
+  """bf16 alone splits wherever the heads do; the FP8 paths also need whole weight blocks."""
+  from models.cli import UsageError, _check_model
+  _check_model(PRESETS["deepseek-v3-tiny"], 4, "deepseek-v3-tiny", fp8=False)
+  with pytest.raises(UsageError, match="not a multiple of the 128 x 128 weight block"):
+    _check_model(PRESETS["deepseek-v3-tiny"], 4, "deepseek-v3-tiny", fp8=True)
+
+
+def test_tp_sizes_are_those_that_split():
+  from models import registry
+  from models.common import sharding
+  model = nnx.eval_shape(lambda: registry.build(PRESETS["deepseek-v3-tiny"], tp_axis="tp"))
+  assert sharding.tp_sizes(model) == [1, 2]
+  state = nnx.state(model)
+  sharding.split_specs(model, state, 2)
+  with pytest.raises(ValueError, match="straddle"):
+    sharding.split_specs(model, state, 4)
+
+
 def test_bad_input_is_reported_before_jax_is_imported():
   """The argument and preset checks run before anything heavy is imported (well under a
   second); only the device count and the model checks need JAX."""
   code = ("import sys; from models.cli import main; rc = main(sys.argv[1:]); "
           "assert 'jax' not in sys.modules; sys.exit(rc)")
   for argv in (["run", "--model", "nope"], ["run", "--batch", "0"],
-               ["run", "--checkpoint", "/nonexistent"], ["plot", "/nonexistent.json"]):
+               ["run", "--checkpoint", "/nonexistent"], ["plot", "/nonexistent.json"],
+               ["run", "--out", __file__], ["frobnicate"]):
     p = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, (argv, p.stderr)
+
+
+def test_help_does_not_import_jax():
+  """Help, a bare `jfusedq` and the subcommands' help print without importing JAX (seconds)."""
+  code = ("import sys; from models.cli import main\n"
+          "try:\n  rc = main(sys.argv[1:])\nexcept SystemExit as e:\n  rc = e.code\n"
+          "assert 'jax' not in sys.modules, 'jax imported'; sys.exit(rc)")
+  for argv, rc in (([], 2), (["--help"], 0), (["run", "--help"], 0), (["plot", "-h"], 0)):
+    p = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == rc, (argv, p.stderr)
+    assert "usage: jfusedq" in p.stdout, argv
+
+
+def test_bare_command_shows_what_it_can_do(capsys):
+  assert main([]) == 2
+  out = capsys.readouterr().out
+  assert all(cmd in out for cmd in ("run", "demo", "plot", "examples:"))
+  assert "required" not in out
 
 
 def test_internal_errors_keep_their_traceback(monkeypatch):
@@ -239,12 +351,16 @@ def test_help_lists_every_preset(capsys):
   with pytest.raises(SystemExit) as e:
     main(["run", "--help"])
   assert e.value.code == 0
-  out = capsys.readouterr().out
+  out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
   assert all(p in out for p in PRESETS) and "--out" in out
+  assert "tensor-parallel devices (default 1)" in out and "simulates N CPU devices" in out
+  assert "random weights and prompt (default 0)" in out
 
 
-@pytest.mark.parametrize("content,want", [(None, "unreadable"), ("{", "unreadable"),
-                                          ('{"rows": [{"x": 1}]}', "rows without")])
+@pytest.mark.parametrize("content,want", [
+    (None, "unreadable"), ("{", "unreadable"), ('{"rows": [{"x": 1}]}', "rows without"),
+    ('{"rows": [1]}', "rows without"), ("[1, 2]", 'no list of "rows"'),
+    ('{"model": "llama-tiny", "paths": {}}', "a `jfusedq run` result")])
 def test_plot_bad_input(tmp_path, capsys, content, want):
   path = tmp_path / "r.json"
   if content is not None:
@@ -282,10 +398,49 @@ def test_plot_marks_failed_rows_and_names_cases(tmp_path):
                                      rows=rows)))
   assert main(["plot", str(results), "--out", str(tmp_path)]) == 0
   assert os.path.exists(tmp_path / "decode.png")
-  ax = plt.gcf().axes[0]
+  fig = plt.gcf()
+  ax = fig.axes[0]
   hatched = [round(b.get_height(), 3) for b in ax.patches if b.get_hatch()]
   assert hatched == [18.0]
-  assert [t.get_text() for t in ax.get_xticklabels()] == ["batch=1,preset=a", "batch=8,preset=b"]
+  assert "check failed" in [t.get_text() for t in ax.get_legend().get_texts()]
+  labels = ax.get_xticklabels()
+  assert [t.get_text() for t in labels] == ["batch=1,preset=a", "batch=8,preset=b"]
+  # Each label ends at its tick (under its bars), not centred on it.
+  assert all(t.get_horizontalalignment() == "right" and t.get_rotation_mode() == "anchor"
+             for t in labels)
+  # The axis label lies inside the picture.
+  box, page = ax.yaxis.label.get_window_extent(), fig.bbox
+  assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
+  plt.close("all")
+
+
+def _results(path, rows):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(dict(benchmark="rmsnorm_quant", device="X", jax="0", date="d",
+                                  rows=rows)))
+  return str(path)
+
+
+def test_plot_goes_next_to_its_results_or_where_out_says(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  rows = [dict(case=dict(T=1), impl="xla", time_us=2.0)]
+  results = _results(tmp_path / "results" / "norm.json", rows)
+  assert main(["plot", results]) == 0
+  assert sorted(os.listdir(tmp_path / "results")) == ["norm.json", "norm.png"]
+  assert main(["plot", results, "--out", str(tmp_path / "pictures" / "n.png")]) == 0
+  assert os.listdir(tmp_path / "pictures") == ["n.png"]
+  assert sorted(os.listdir(tmp_path)) == ["pictures", "results"]  # nothing in the current folder
+
+
+def test_plot_draws_each_op_apart(tmp_path):
+  """The norm benchmark times group_quant alone too (case "op"): another chart, another scale."""
+  import matplotlib.pyplot as plt
+  rows = [dict(case=dict(T=t, **op), impl=impl, time_us=t * 2.0) for t in (1, 64)
+          for op in ({}, {"op": "group_quant"}) for impl in ("xla", "pallas")]
+  assert main(["plot", _results(tmp_path / "rq.json", rows), "--out", str(tmp_path)]) == 0
+  axes = plt.gcf().axes
+  assert [ax.get_title() for ax in axes] == ["rmsnorm_quant", "group_quant"]
+  assert [[t.get_text() for t in ax.get_xticklabels()] for ax in axes] == [["T=1", "T=64"]] * 2
   plt.close("all")
 
 
@@ -298,7 +453,10 @@ def test_plot_names_a_key_only_some_cases_have():
 
 def test_demo(capsys):
   assert main(["demo", "--tokens", "4", "--hidden", "576", "--reps", "2"]) == 0
-  assert "pallas vs xla: agree" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "pallas vs xla: agree" in out
+  pallas = next(line for line in out.splitlines() if line.strip().startswith("pallas:"))
+  assert "Pallas runs in interpret mode on CPU" in pallas
 
 
 @pytest.mark.parametrize("preset", ["deepseek-v3-deep", "qwen3.5-deep"])

@@ -45,7 +45,7 @@ def test_resolve_order_fallthrough_and_log(caplog):
     _dispatch.resolve("op", backends([], decline=("a",)), "a", default=("b",))
   with pytest.raises(Unsupported, match="no implementation could run"):
     _dispatch.resolve("op", backends([], decline=("a", "b")), ("a", "b"), default=())
-  with pytest.raises(ValueError, match="unknown implementation"):
+  with pytest.raises(jfusedq.InputError, match="unknown implementation"):
     _dispatch.resolve("op", backends([]), "d", default=())
 
 
@@ -74,10 +74,10 @@ def test_implementations_sets_the_default_only():
     t.start()
     t.join()
   assert seen == [None] and _dispatch.requested("group_quant", None) is None
-  with pytest.raises(ValueError, match="unknown op"):
+  with pytest.raises(jfusedq.InputError, match="unknown op"):
     with implementations(group_qaunt="xla"):
       pass
-  with pytest.raises(ValueError, match="unknown implementation"):
+  with pytest.raises(jfusedq.InputError, match="unknown implementation"):
     with implementations(fp8_matmul="cublas"):
       pass
   # The override is read at trace time and picks the backend the op runs.

@@ -39,6 +39,10 @@ W8 = jnp.zeros((128, 256), jnp.float8_e4m3fn)
 S8 = jnp.ones((1, 2), jnp.float32)
 
 
+def _mesh1():
+  return jax.make_mesh((1,), ("tp",), devices=jax.devices()[:1])
+
+
 def _qa(group_size):
   q = jnp.zeros((4, 256), jnp.float8_e4m3fn)
   return QuantizedActivation(q, jnp.ones((4, 256 // group_size), jnp.float32),
@@ -64,6 +68,37 @@ OPS = {
                           InputError, "residual shape"),
     "rq_x2_alone": (lambda: jf.rmsnorm_quant(X, jnp.ones(256), x2=X), InputError, "x2"),
     "rmsnorm_weight": (lambda: jf.rmsnorm(X, jnp.ones(255)), InputError, "weight shape"),
+    # eps < 0 (or NaN) would make the norm's rsqrt NaN: every scale NaN, silently.
+    "rq_eps": (lambda: jf.rmsnorm_quant(X, jnp.ones(256), eps=-1.0), InputError,
+               "eps must be a number >= 0, got -1.0"),
+    "rq_eps_nan": (lambda: jf.rmsnorm_quant(X, jnp.ones(256), eps=float("nan")), InputError,
+                   "eps must be a number >= 0, got nan"),
+    "rq_eps2": (lambda: jf.rmsnorm_quant(X, jnp.ones(256), x2=X, weight2=jnp.ones(256),
+                                         eps2=-1e-6), InputError, "eps2 must be"),
+    "rq_eps_none": (lambda: jf.rmsnorm_quant(X, jnp.ones(256), eps=None), InputError,
+                    "eps must be a number >= 0, got None"),
+    "rmsnorm_eps": (lambda: jf.rmsnorm(X, jnp.ones(256), eps=-1e-6), InputError, "eps must be"),
+    "ar_eps": (lambda: jf.chosen_strategy(X, jnp.ones(256), eps=-1.0), InputError,
+               "eps must be"),
+    "ar_sharded_eps": (lambda: jf.allreduce_rmsnorm_quant_sharded(
+        X[None], None, jnp.ones(256), mesh=_mesh1(), axis_name="tp", eps=-1.0), InputError,
+                       "eps must be"),
+    "rs_eps": (lambda: jf.allreduce_rmsnorm_quant_sharded(
+        X[None], None, jnp.ones(256), mesh=_mesh1(), axis_name="tp", sequence_parallel=True,
+        eps=-1.0), InputError, "eps must be"),
+    # A misspelt backend or strategy name is an input error like any other.
+    "rq_impl": (lambda: jf.rmsnorm_quant(X, jnp.ones(256), implementation="palas"), InputError,
+                "rmsnorm_quant: unknown implementation ['palas']"),
+    "gq_impl": (lambda: jf.group_quant(X, implementation=("xla", "trition")), InputError,
+                "unknown implementation ['trition']"),
+    "mm_impl": (lambda: jf.fp8_matmul(_qa(128), W8, S8, implementation="cublas"), InputError,
+                "fp8_matmul: unknown implementation"),
+    "ar_strategy": (lambda: jf.chosen_strategy(X, jnp.ones(256), strategy="fusd"), InputError,
+                    "unknown strategy ['fusd']"),
+    "implementations_op": (lambda: jf.implementations(rmsnorm_qaunt="xla").__enter__(),
+                           InputError, "unknown op 'rmsnorm_qaunt'"),
+    "implementations_name": (lambda: jf.implementations(rmsnorm="tritn").__enter__(),
+                             InputError, "rmsnorm: unknown implementation"),
     "mm_weight_dtype": (lambda: jf.fp8_matmul(X, W8.astype(jnp.bfloat16), S8), DTypeError,
                         "weight must be float8"),
     "mm_weight_rank": (lambda: jf.fp8_matmul(X, W8[0], S8), InputError, "weight must be [N, K]"),

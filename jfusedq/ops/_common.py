@@ -58,6 +58,17 @@ def check_group_size(group_size) -> None:
                      f"{group_size!r}")
 
 
+def check_eps(name: str, eps) -> None:
+  """`eps` is a real number >= 0: a negative one can make mean(h^2) + eps negative, whose
+  rsqrt is NaN, and NaN scales would pass silently into the next GEMM."""
+  try:
+    ok = float(eps) >= 0.0  # False for NaN
+  except (TypeError, ValueError):
+    ok = False
+  if not ok:
+    raise InputError(f"{name} must be a number >= 0, got {eps!r}")
+
+
 def check_layout(layout) -> None:
   if layout not in ("row", "col"):
     raise InputError(f"layout must be 'row' or 'col', got {layout!r}")

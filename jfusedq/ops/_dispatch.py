@@ -5,10 +5,10 @@ A call names its candidates (an op's backends, an all-reduce's strategies):
     a block of code by `implementations`);
   * a string asks for exactly that candidate and never falls back;
   * a sequence is tried in order.
-A candidate is skipped when a gate rules it out (e.g. an operator opt-out) or when it declines
-the call by raising `Unsupported` at trace time; any other exception propagates, so a wrong
-result is never traded for a silent fallback. The candidate that ran is logged once on the
-"jfusedq" logger, with what was skipped and why.
+An unknown name raises `jfusedq.InputError`. A candidate is skipped when a gate rules it out
+(e.g. an operator opt-out) or when it declines the call by raising `Unsupported` at trace time;
+any other exception propagates, so a wrong result is never traded for a silent fallback. The
+candidate that ran is logged once on the "jfusedq" logger, with what was skipped and why.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from jfusedq import _target
+from jfusedq.errors import InputError
 
 log = logging.getLogger("jfusedq")
 _logged: set[tuple] = set()
@@ -66,7 +67,7 @@ def implementations(**orders: Order | None) -> Iterator[None]:
   """
   for op, order in orders.items():
     if op not in CANDIDATES:
-      raise ValueError(f"implementations: unknown op {op!r}; choose from {sorted(CANDIDATES)}")
+      raise InputError(f"implementations: unknown op {op!r}; choose from {sorted(CANDIDATES)}")
     if order is not None:
       _names(op, order, CANDIDATES[op], _kinds[op])
   token = _overrides.set({**_overrides.get(), **orders})
@@ -94,7 +95,7 @@ def _names(op: str, order: Order, known: Sequence[str], kind: str = "implementat
   names = (order,) if isinstance(order, str) else tuple(order)
   unknown = [name for name in names if name not in known]
   if unknown or not names:
-    raise ValueError(f"{op}: unknown {kind} {unknown or order!r}; choose from {sorted(known)}")
+    raise InputError(f"{op}: unknown {kind} {unknown or order!r}; choose from {sorted(known)}")
   return names
 
 

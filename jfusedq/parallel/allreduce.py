@@ -45,8 +45,9 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jfusedq.errors import InputError
 from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation, resolve_format
-from jfusedq.ops import _dispatch
+from jfusedq.ops import _common, _dispatch
 from jfusedq.ops.group_quant import group_quant
 from jfusedq.ops.rmsnorm import rmsnorm
 from jfusedq.ops.rmsnorm_quant import rmsnorm_quant
@@ -84,7 +85,7 @@ def _check_strategy(strategy) -> None:
   """Argument errors, raised before any collective is traced."""
   if strategy is not None and "sequence_parallel" in ((strategy,) if isinstance(strategy, str)
                                                       else tuple(strategy)):
-    raise ValueError("strategy 'sequence_parallel' keeps the residual sharded over tokens: call "
+    raise InputError("strategy 'sequence_parallel' keeps the residual sharded over tokens: call "
                      "reduce_scatter_rmsnorm_quant inside shard_map, or "
                      "allreduce_rmsnorm_quant_sharded(..., sequence_parallel=True)")
   _dispatch.candidates(OP, strategy, STRATEGIES, STRATEGIES, kind="strategy")
@@ -152,6 +153,7 @@ def chosen_strategy(x, weight, *, residual=None, eps: float = 1e-6, weight_offse
   """
   fmt = resolve_format(fmt)
   _check_shapes(x, residual, weight)
+  _common.check_eps("eps", eps)
   _check_strategy(strategy)
   spec = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
 
@@ -175,7 +177,7 @@ def axis_size(axis_name: AxisName) -> int:
     mesh = jax.sharding.get_abstract_mesh()
     manual = [n for n, t in zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ()))
               if t == AxisType.Manual]
-    raise ValueError(f"axis_name {axis_name!r} is not a mesh axis in scope (manual axes here: "
+    raise InputError(f"axis_name {axis_name!r} is not a mesh axis in scope (manual axes here: "
                      f"{manual or 'none'}); call this inside jax.shard_map over a mesh with that "
                      f"axis, or use allreduce_rmsnorm_quant_sharded") from e
 
@@ -215,12 +217,12 @@ def _all_gather(a, axis_name: AxisName, axis: int, n: int):
 
 def _check_shapes(x, residual, weight, x_name="x_partial"):
   if x.ndim < 1:
-    raise ValueError(f"{x_name} must have at least one dimension (the hidden axis)")
+    raise InputError(f"{x_name} must have at least one dimension (the hidden axis)")
   if weight.shape != x.shape[-1:]:
-    raise ValueError(f"weight shape {tuple(weight.shape)} does not match {x_name}'s hidden size "
+    raise InputError(f"weight shape {tuple(weight.shape)} does not match {x_name}'s hidden size "
                      f"{x.shape[-1]} ({x_name} shape {tuple(x.shape)})")
   if residual is not None and residual.shape != x.shape:
-    raise ValueError(f"residual shape {tuple(residual.shape)} differs from {x_name} shape "
+    raise InputError(f"residual shape {tuple(residual.shape)} differs from {x_name} shape "
                      f"{tuple(x.shape)}")
 
 
@@ -261,6 +263,7 @@ def allreduce_rmsnorm_quant(x_partial: jax.Array, residual: jax.Array | None, we
   """
   fmt = resolve_format(fmt)
   _check_shapes(x_partial, residual, weight)
+  _common.check_eps("eps", eps)
   n = axis_size(axis_name)
   _check_strategy(strategy)
   h = _psum(x_partial, axis_name, n)
@@ -297,22 +300,23 @@ def reduce_scatter_rmsnorm_quant(x_partial: jax.Array, residual: jax.Array | Non
   """
   fmt = resolve_format(fmt)
   if x_partial.ndim < 2:
-    raise ValueError(f"x_partial must have a token axis and a hidden axis, got shape "
+    raise InputError(f"x_partial must have a token axis and a hidden axis, got shape "
                      f"{tuple(x_partial.shape)}")
   ax = token_axis + x_partial.ndim if token_axis < 0 else token_axis
   if not 0 <= ax < x_partial.ndim - 1:
-    raise ValueError(f"token_axis={token_axis} must name an axis of x_partial other than the "
+    raise InputError(f"token_axis={token_axis} must name an axis of x_partial other than the "
                      f"last (hidden) one; x_partial shape {tuple(x_partial.shape)}")
   n = axis_size(axis_name)
   t = x_partial.shape[ax]
   if t % n:
-    raise ValueError(f"sequence-parallel mode needs the token count to divide by the size of "
+    raise InputError(f"sequence-parallel mode needs the token count to divide by the size of "
                      f"axis {axis_name!r}: T={t} tokens over {n} devices; pad T to a multiple of "
                      f"{n} or use allreduce_rmsnorm_quant")
   local = x_partial.shape[:ax] + (t // n,) + x_partial.shape[ax + 1:]
   _check_shapes(x_partial, None, weight)
+  _common.check_eps("eps", eps)
   if residual is not None and residual.shape != local:
-    raise ValueError(f"residual shape {tuple(residual.shape)} is not this device's token shard "
+    raise InputError(f"residual shape {tuple(residual.shape)} is not this device's token shard "
                      f"{local} of x_partial {tuple(x_partial.shape)} (T/N = {t}/{n} along axis "
                      f"{ax})")
   _check_strategy(strategy)
@@ -360,13 +364,13 @@ def allreduce_rmsnorm_quant_sharded(x_partials: jax.Array, residual: jax.Array |
   names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
   missing = [a for a in names if a not in mesh.axis_names]
   if missing:
-    raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh (axes "
+    raise InputError(f"axis_name {axis_name!r} is not an axis of the mesh (axes "
                      f"{mesh.axis_names})")
   n = 1
   for a in names:
     n *= mesh.shape[a]
   if x_partials.ndim < 2 or x_partials.shape[0] != n:
-    raise ValueError(f"x_partials must stack the {n} partial sums of axis {axis_name!r} on a "
+    raise InputError(f"x_partials must stack the {n} partial sums of axis {axis_name!r} on a "
                      f"leading axis: want shape [{n}, ..., H], got {tuple(x_partials.shape)}")
   part = P(axis_name)
   if sequence_parallel:
@@ -375,7 +379,7 @@ def allreduce_rmsnorm_quant_sharded(x_partials: jax.Array, residual: jax.Array |
   else:
     res_spec = P()
   if residual is not None and residual.shape != x_partials.shape[1:]:
-    raise ValueError(f"residual shape {tuple(residual.shape)} differs from one partial sum's "
+    raise InputError(f"residual shape {tuple(residual.shape)} differs from one partial sum's "
                      f"shape {tuple(x_partials.shape[1:])}")
 
   def body(xp, r, w):

@@ -3,6 +3,7 @@ a model built with `tp_axis` inside `jax.shard_map` over that mesh axis."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection
 
 import jax
@@ -67,18 +68,44 @@ def check_split(state, specs, n: int) -> None:
                          f"one block (one scale) would straddle two devices")
 
 
-def tp_specs(model: nnx.Module, mesh: jax.sharding.Mesh, state: nnx.State):
-  """The model's partition specs of `state` over its tp_axis of `mesh`, after the checks that
-  the axis exists and the heads (`check_tp`) and FP8 blocks (`check_split`) split over it."""
-  axis = model.opts.tp_axis
-  if axis is None or axis not in mesh.axis_names:
-    raise ValueError(f"the model's tp_axis {axis!r} is not an axis of the mesh "
-                     f"{mesh.axis_names}; build it with tp_axis=...")
-  n = mesh.shape[axis]
+def split_specs(model: nnx.Module, state: nnx.State, n: int):
+  """The model's partition specs of `state`, after the checks that its heads (`check_tp`) and
+  FP8 blocks (`check_split`) split over `n` devices; ValueError naming what does not."""
   model.check_tp(n)
   specs = model.partition_specs(state)
   check_split(state, specs, n)
   return specs
+
+
+def tp_sizes(model: nnx.Module) -> list[int]:
+  """Every device count that `model` (built with a tp_axis; `nnx.eval_shape` will do) splits
+  over, as `split_specs` checks it. Each divides every split dimension, so the candidates are
+  the divisors of their greatest common divisor."""
+  state = nnx.state(model)
+  specs = model.partition_specs(state)
+  is_spec = lambda s: isinstance(s, P)
+  dims = [dim for leaf, spec in zip(jax.tree.leaves(state), jax.tree.leaves(specs, is_leaf=is_spec))
+          for dim, s in zip(leaf.shape, spec) if s is not None]
+  g = math.gcd(*dims)
+
+  def splits(n):
+    try:
+      split_specs(model, state, n)
+    except ValueError:
+      return False
+    return True
+
+  return [n for n in range(1, g + 1) if g % n == 0 and splits(n)]
+
+
+def tp_specs(model: nnx.Module, mesh: jax.sharding.Mesh, state: nnx.State):
+  """The model's partition specs of `state` over its tp_axis of `mesh`, after the checks that
+  the axis exists and that the model splits over it (`split_specs`)."""
+  axis = model.opts.tp_axis
+  if axis is None or axis not in mesh.axis_names:
+    raise ValueError(f"the model's tp_axis {axis!r} is not an axis of the mesh "
+                     f"{mesh.axis_names}; build it with tp_axis=...")
+  return split_specs(model, state, mesh.shape[axis])
 
 
 # A parameter's placement: its Variable -> a NamedSharding, or None (loaded whole).

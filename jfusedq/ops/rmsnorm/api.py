@@ -36,9 +36,10 @@ def rmsnorm(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None = Non
             config: gq_pallas.Config | None = None) -> RmsNormOutput:
   """h = x (+ residual, rounded to x.dtype); y = h * rsqrt(mean(h^2) + eps) * (w + offset).
 
-  Shapes: x, residual `[..., H]`; weight `[H]`; y `[..., H]` in x.dtype.
+  Shapes: x, residual `[..., H]`; weight `[H]`; y `[..., H]` in x.dtype. eps >= 0.
   """
   rq_api.check_inputs(x, weight, residual, BLOCK, "row", None, None)
+  _common.check_eps("eps", eps)
 
   def xla():
     h = x if residual is None else add_residual(x, residual)

@@ -46,6 +46,7 @@ def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None
       dtype's maximum normalise without overflow.
     weight: `[H]`.
     residual: optional `[..., H]`, same dtype as x.
+    eps: >= 0 (InputError otherwise).
     weight_offset: 0 for `y * w` (DeepSeek), 1 for `y * (1 + w)` (Qwen3.5 zero-centred norms).
     group_size, fmt, layout, ue8m0: as for `group_quant`.
     keep_hp: also return the normalised activation in x.dtype (`quant.hp`).
@@ -58,7 +59,9 @@ def rmsnorm_quant(x: jax.Array, weight: jax.Array, *, residual: jax.Array | None
   """
   check_inputs(x, weight, residual, group_size, layout, x2, weight2)
   fmt = resolve_format(fmt)
+  _common.check_eps("eps", eps)
   eps2 = eps if eps2 is None else eps2
+  _common.check_eps("eps2", eps2)
   kw = dict(residual=residual, eps=float(eps), weight_offset=float(weight_offset), fmt=fmt,
             group_size=group_size, layout=layout, ue8m0=ue8m0, keep_hp=keep_hp, x2=x2,
             weight2=weight2, eps2=float(eps2))
