@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jfusedq as jf
 from jax.sharding import AbstractDevice, AbstractMesh, PartitionSpec as P
 
 from helpers import (FORMATS, MOSAIC_GPU, TARGETS, TRITON_CALL, activations, implementations,
@@ -153,6 +155,22 @@ class TestEveryImplementation:
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     np.testing.assert_array_equal(
         np.asarray(a), np.asarray(grouped_fp8_matmul(x, qw, sw, ids, implementation=impl)))
+
+  def test_grouped_ids_out_of_range(self, impl):
+    """Traced ids outside [0, E) give zero products in every implementation (the kernels read
+    a clamped id); concrete ones raise, traced ones under debug_checks."""
+    qw, sw = experts(("grouped_oob",), 3, 130, 256)
+    x = activations(rng("grouped_oob_x"), (4, 1, 256))
+    ids = jnp.asarray([2, 3, -1, 1], jnp.int32)
+    got = jax.jit(lambda i: grouped_fp8_matmul(x, qw, sw, i, implementation=impl))(ids)
+    assert not np.any(np.asarray(got)[1:3])
+    for b in (0, 3):
+      assert_close(got[b], fp8_matmul(x[b], qw[ids[b]], sw[ids[b]], implementation="xla"))
+    with pytest.raises(InputError, match="ids must lie in"):
+      grouped_fp8_matmul(x, qw, sw, ids, implementation=impl)
+    with pytest.raises(Exception, match="ids must lie in"), jf.debug_checks():
+      jax.block_until_ready(jax.jit(lambda i: grouped_fp8_matmul(
+          x, qw, sw, i, implementation=impl))(ids))
 
   def test_jit_deterministic(self, impl):
     x, qw, sw = problem(("jit",), (3, 4), 256, 512)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jfusedq import _target
-from jfusedq.errors import DTypeError, InputError
+from jfusedq.errors import DTypeError, InputError, check_range
 from jfusedq.fp8 import BLOCK, E4M3FN, E4M3FNUZ, Fp8Format, QuantizedActivation
 from jfusedq.ops import _common
 from jfusedq.ops import _dispatch
@@ -125,8 +125,10 @@ def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
     weight: `[E, N, K]` fp8, E experts; weight_scale `[E, ceil(N/128), ceil(K/128)]` f32.
     ids: `[B]` integer expert of each product, G dividing B, consecutive products sharing an
       activation group (decode: token m's k experts are products m*k .. m*k+k-1). None: B = E
-      and product b uses expert b (every expert on its group of `a`). Values must lie in
-      [0, E): traced, they are not checked, and the Triton kernel reads by them unguarded.
+      and product b uses expert b (every expert on its group of `a`). A product whose id lies
+      outside [0, E) is zero in every implementation (the kernels read a clamped id, the
+      product is then masked); concrete ids are checked and raise, traced ones under
+      `jfusedq.debug_checks()`.
     implementation, config, ue8m0: as for `fp8_matmul` (the config tiles each product).
   Returns:
     `[B, ..., N]` in out_dtype.
@@ -136,6 +138,11 @@ def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
   if ids is not None and (ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer)):
     raise InputError(f"ids must be a [B] integer array, got {ids.dtype}{list(ids.shape)}")
   b = e if ids is None else ids.shape[0]
+  valid = None
+  if ids is not None:
+    check_range("ids", ids, 0, e)
+    valid = (ids >= 0) & (ids < e)
+    ids = jnp.clip(ids, 0, e - 1).astype(jnp.int32)
   implementation = _dispatch.requested("grouped_fp8_matmul", implementation)
   qa = _quantized(a, weight, k, implementation, ue8m0, "row")
   if qa.q.ndim < 2:
@@ -173,6 +180,8 @@ def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
   backends = {"triton": in_place(triton), "pallas": in_place(pallas),
               "mosaic_gpu": per_product("mosaic_gpu"), "xla": per_product("xla")}
   out = dispatch("grouped_fp8_matmul", backends, implementation)
+  if valid is not None:
+    out = jnp.where(valid[:, None, None], out, jnp.zeros((), out.dtype))
   return out.reshape(b, *lead, n)
 
 
