@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from jfusedq import (Fp8Format, Unsupported, _target, _triton, fp8_matmul, group_quant,
-                     grouped_fp8_matmul, rmsnorm, rmsnorm_quant)
+                     grouped_fp8_matmul, ragged_fp8_matmul, ragged_matmul, rmsnorm, rmsnorm_quant)
 from jfusedq.nn import StackedLinear, quantize_weight
 from jfusedq.ops.fp8_matmul import Config
 from helpers import TRITON_CALL, lower
@@ -160,11 +160,18 @@ def matmul_ops(fmt):
   big = Config(128, 128, 1, num_warps=8, num_stages=4)  # two warp groups (large M)
   qg = group_quant(x[:, None], fmt=fmt, implementation="xla")  # 2 tokens, 2 experts each
   ids = jnp.asarray([1, 0, 0, 1], jnp.int32)
+  sizes = jnp.asarray([120, 180], jnp.int32)
+  rows = jnp.asarray(r.integers(0, 300, 300), jnp.int32)
   return [lambda: fp8_matmul(qa, qw, sw, implementation="triton"),  # K split, swapped
           lambda: fp8_matmul(qal, qw, sw, implementation="triton"),  # 64 x 128, col scales
           lambda: fp8_matmul(qal, qw, sw, implementation="triton", config=big),
           lambda: grouped_fp8_matmul(qg, jnp.stack([qw, qw]), jnp.stack([sw, sw]), ids,
-                                     implementation="triton")]
+                                     implementation="triton"),
+          # Ragged: decode tiles (swapped, K split) and prefill tiles gathering col-scaled rows.
+          lambda: ragged_fp8_matmul(qa, jnp.stack([qw, qw]), jnp.stack([sw, sw]),
+                                    jnp.asarray([1, 1], jnp.int32), implementation="triton"),
+          lambda: ragged_fp8_matmul(qal, jnp.stack([qw, qw]), jnp.stack([sw, sw]), sizes,
+                                    rows=rows, implementation="triton", config=big)]
 
 
 @pytest.mark.lowering
@@ -185,7 +192,7 @@ def test_matmul_compiles_to_fp8_mma(monkeypatch, target):
   pytest.importorskip("triton")
   fmt = Fp8Format.e4m3fnuz() if target == "gfx942" else Fp8Format.e4m3fn()
   calls = recorded_calls(monkeypatch, target, matmul_ops(fmt))
-  assert len(calls) == 4
+  assert len(calls) == 6
   for call in calls:
     asm = compile_call(target, call).asm
     if target == "h200":
@@ -193,6 +200,27 @@ def test_matmul_compiles_to_fp8_mma(monkeypatch, target):
       assert "wgmma.mma_async" in asm["ptx"] and "e4m3.e4m3" in asm["ptx"]
     else:  # fp8 MFMA: ..._fp8_fp8 on gfx942 (fnuz), ..._f8f6f4 on gfx950
       assert re.search(r"v_mfma_f32_\w+_(fp8_fp8|f8f6f4)", asm["amdgcn"])
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("target", AOT)
+def test_bf16_ragged_compiles_to_mma(monkeypatch, target):
+  # The unquantised path's experts: bf16 operands on the tensor cores, no scales read.
+  pytest.importorskip("triton")
+  r = np.random.default_rng(9)
+  x = jnp.asarray(r.standard_normal((300, 512)), jnp.bfloat16)
+  w = jnp.asarray(r.standard_normal((3, 384, 512)), jnp.bfloat16)
+  sizes = jnp.asarray([100, 0, 200], jnp.int32)
+  calls = recorded_calls(monkeypatch, target, [
+      lambda: ragged_matmul(x, w, sizes, implementation="triton"),
+      lambda: ragged_matmul(x[:2], w, jnp.asarray([1, 1, 0], jnp.int32),
+                            implementation="triton")])
+  for call in calls:
+    asm = compile_call(target, call).asm
+    if target == "h200":
+      assert "mma" in asm["ptx"] and "bf16" in asm["ptx"]
+    else:
+      assert re.search(r"v_mfma_f32_\w+bf16", asm["amdgcn"])
 
 
 @pytest.mark.lowering

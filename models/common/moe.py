@@ -88,9 +88,12 @@ class Experts(nnx.Module):
   def _sorted(self, x, ids):
     m, k = ids.shape
     flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    # An id outside [0, E) sorts last and counts for no group: its rows are the zero tail.
+    e = self.num_experts
+    key = jnp.where((flat >= 0) & (flat < e), flat, e)
+    order = jnp.argsort(key, stable=True)
     rows = (order // k).astype(jnp.int32)  # the token of each sorted pair
-    sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+    sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)
     if self.takes_fp8 and not isinstance(x, QuantizedActivation):
       # Once for both projections (each would quantise its own copy).
       x = group_quant(x, fmt=activation_format(self.gate_proj.weight.dtype),
