@@ -138,10 +138,12 @@ SPECS = {
         "Mosaic GPU GEMM configs around the heuristic's pick (`fp8_matmul.py --sweep "
         "--sweep-impl mosaic_gpu`)", by_config=True),
     "moe_gemm": Spec(
-        "MoE expert GEMMs (`jf.grouped_fp8_matmul`)",
-        summary=(("of copy roofline", field("roofline_frac")),
-                 ("vs XLA", field("vs_xla", ratio_like=True))),
-        headline=({"M": 1, "mode": "gathered", "N": 2048},)),
+        "MoE expert GEMMs at the released models' expert counts (`jf.ragged_fp8_matmul`)",
+        summary=(("routed TFLOP/s", field("tflops", 1)), ("of roofline", field("roofline_frac")),
+                 ("vs gathered", lambda r, by: ratio(by.get("gathered"), r)),
+                 ("vs XLA", lambda r, by: ratio(by.get("xla"), r))),
+        headline=({"model": "deepseek-v3", "proj": "up", "T": 1, "routing": "uniform"},
+                  {"model": "deepseek-v3", "proj": "up", "T": 4096, "routing": "uniform"})),
     "decode": Spec(
         "Decode step of the model presets (`models`), bf16 and FP8 on one set of weights",
         cell=decode_cell, cell_unit="kernel / steady", default_impl="fused",

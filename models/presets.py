@@ -72,12 +72,13 @@ DEEPSEEK_V3_DEEP = dict(DEEPSEEK_V3_LAYERS, num_hidden_layers=24, first_k_dense_
 QWEN3_5_DEEP = dict(QWEN3_5_LAYERS, num_hidden_layers=48)
 
 # DeepSeek-V3's layers with all 256 routed experts (8 a token, 8 groups of which 4 are kept):
-# 4 layers, 1 dense + 3 MoE, as deepseek-v3-layers. bf16 masters 71.5 GB, FP8 weights 37.0 GB:
-# both 108.5 GB, one H200.
+# 4 layers, 1 dense + 3 MoE, as deepseek-v3-layers. bf16 masters 73.9 GB, FP8 weights 38.8 GB
+# (35.1 GB beyond the shared bf16 embedding and head): both 109.0 GB, one H200.
 DEEPSEEK_V3_MOE = dict(DEEPSEEK_V3_LAYERS, n_routed_experts=256)
 
 # Qwen3.5-397B-A17B's layers with all 512 experts (10 a token): 4 layers (3 GDN + 1 attention),
-# as qwen3.5-layers. bf16 masters 53.2 GB, FP8 weights 27.7 GB: both 80.9 GB, one H200.
+# as qwen3.5-layers. bf16 masters 56.6 GB, FP8 weights 30.4 GB (26.3 GB beyond the shared bf16
+# embedding and head): both 82.9 GB, one H200.
 QWEN3_5_MOE = dict(QWEN3_5_LAYERS, num_experts=512)
 
 # Preset name -> a Hugging Face config dict (its `model_type` picks the model package).
