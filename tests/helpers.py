@@ -13,7 +13,8 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 from jfusedq import _target, _triton
 from jfusedq.fp8 import Fp8Format, QuantizedActivation
-from jfusedq.testing import quant_mismatch
+from jfusedq.nn import quantize_weight
+from jfusedq.testing import quant_mismatch, rel_rms
 
 # Reductions in a different order and (on GPU) approximate rsqrt / division move a scale by a
 # few f32 ulps (1 ulp = 6e-8 relative); 1e-6 leaves room for ~16 and still catches any real
@@ -134,6 +135,31 @@ def oracle_rmsnorm(h, w, eps, offset):
   h = np.asarray(h, np.float64)
   return h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * (
       np.asarray(w, np.float64) + offset)
+
+
+# A GEMM's result and its reference are f32 sums rounded once to bf16 (2**-9 relative); summed
+# in another order they may round to neighbouring bf16 values: 2**-8 relative RMS bounds that
+# with room, and elementwise one bf16 ulp (2**-7 of the value) plus a floor for outputs that
+# cancel to ~0.
+GEMM_RMS_TOL = 2.0**-8
+
+
+def assert_gemm_close(got, want):
+  assert got.shape == want.shape and got.dtype == want.dtype
+  g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert np.all(np.isfinite(g))
+  assert rel_rms(g, w) <= GEMM_RMS_TOL, rel_rms(g, w)
+  assert np.all(np.abs(g - w) <= 2.0**-7 * np.abs(w) + 1e-3 * np.abs(w).max())
+
+
+def experts(key, e, n, k, fmt="e4m3fn"):
+  """E random expert weights `[E, N, K]` quantised to 128 x 128 blocks, their scales then
+  scaled at random, so a wrong expert or block index cannot hide behind uniform scales."""
+  r = rng(*key)
+  w = jnp.asarray(r.standard_normal((e, n, k)) * np.exp(r.uniform(-1, 1, (e, n, 1))),
+                  jnp.float32)
+  qw, sw = jax.vmap(lambda a: quantize_weight(a, FORMATS[fmt]))(w)
+  return qw, sw * jnp.asarray(r.uniform(0.5, 2.0, sw.shape), jnp.float32)
 
 
 # Abstract devices stand in for GPUs this machine does not have.

@@ -12,8 +12,9 @@ import pytest
 import jfusedq as jf
 from jax.sharding import AbstractDevice, AbstractMesh, PartitionSpec as P
 
-from helpers import (FORMATS, MOSAIC_GPU, TARGETS, TRITON_CALL, activations, implementations,
-                     lower, rng)
+from helpers import (FORMATS, MOSAIC_GPU, TARGETS, TRITON_CALL, activations, experts,
+                     implementations, lower, rng)
+from helpers import assert_gemm_close as assert_close
 from jfusedq import (QuantizedActivation, _target, default_format, fp8_matmul, group_quant,
                      grouped_fp8_matmul, rmsnorm_quant)
 from jfusedq.errors import InputError
@@ -31,10 +32,6 @@ from jfusedq.testing import (DECODE_TOKENS, EDGE_PROJECTIONS, PREFILL_TOKENS, PR
 
 KERNELS = implementations("fp8_matmul", kernels=True)
 PARTIAL_N, PARTIAL_K = EDGE_PROJECTIONS["partial_blocks"]
-# Both results are f32 sums rounded once to bf16 (2**-9 relative); summed in another order
-# they may round to neighbouring bf16 values: 2**-8 relative RMS bounds that with room, and
-# elementwise one bf16 ulp (2**-7 of the value) plus a floor for outputs that cancel to ~0.
-RMS_TOL = 2.0**-8
 
 
 def problem(key, m_shape, n, k, fmt="e4m3fn"):
@@ -45,14 +42,6 @@ def problem(key, m_shape, n, k, fmt="e4m3fn"):
   # Random scales on top, so a wrong scale index cannot hide behind uniform scales.
   sw = sw * jnp.asarray(r.uniform(0.5, 2.0, sw.shape), jnp.float32)
   return x, qw, sw
-
-
-def assert_close(got, want):
-  assert got.shape == want.shape and got.dtype == want.dtype
-  g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  assert np.all(np.isfinite(g))
-  assert rel_rms(g, w) <= RMS_TOL, rel_rms(g, w)
-  assert np.all(np.abs(g - w) <= 2.0**-7 * np.abs(w) + 1e-3 * np.abs(w).max())
 
 
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
@@ -68,14 +57,6 @@ def test_reference_matches_float64(fmt):
   assert rel_rms(got, want) <= 2.0**-9
   bound = 2.0**-8 * np.abs(want) + 640 * 2.0**-24 * (np.abs(a64) @ np.abs(w64).T)
   assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound)
-
-
-def experts(key, e, n, k, fmt="e4m3fn"):
-  r = rng(*key)
-  w = jnp.asarray(r.standard_normal((e, n, k)) * np.exp(r.uniform(-1, 1, (e, n, 1))),
-                  jnp.float32)
-  qw, sw = jax.vmap(lambda a: quantize_weight(a, FORMATS[fmt]))(w)
-  return qw, sw * jnp.asarray(r.uniform(0.5, 2.0, sw.shape), jnp.float32)
 
 
 GROUPED = {  # (activation groups, leading dims of a group, expert of each product or None)

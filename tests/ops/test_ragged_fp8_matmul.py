@@ -8,26 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import FORMATS, TRITON, activations, rng
+from helpers import FORMATS, TRITON, activations, experts, rng
+from helpers import assert_gemm_close as assert_close
 from jfusedq import default_format, fp8_matmul, group_quant, ragged_fp8_matmul, ragged_matmul
 from jfusedq.errors import InputError
-from jfusedq.nn import quantize_weight
 from jfusedq.ops.ragged_fp8_matmul import reference, tiles, xla
-from jfusedq.testing import EDGE_PROJECTIONS, rel_rms
+from jfusedq.testing import EDGE_PROJECTIONS
 
 IMPLS = ("xla", TRITON)
 PARTIAL_N, PARTIAL_K = EDGE_PROJECTIONS["partial_blocks"]
-# As fp8_matmul's: f32 sums of the same products in another order, rounded once to bf16.
-RMS_TOL = 2.0**-8
-
-
-def experts(key, e, n, k, fmt="e4m3fn"):
-  r = rng(*key)
-  w = jnp.asarray(r.standard_normal((e, n, k)) * np.exp(r.uniform(-1, 1, (e, n, 1))),
-                  jnp.float32)
-  qw, sw = jax.vmap(lambda a: quantize_weight(a, FORMATS[fmt]))(w)
-  # Random scales on top, so a wrong expert or block index cannot hide behind uniform scales.
-  return qw, sw * jnp.asarray(r.uniform(0.5, 2.0, sw.shape), jnp.float32)
 
 
 def routing(key, name, m, e):
@@ -42,14 +31,6 @@ def routing(key, name, m, e):
   else:  # "tail": a third of the rows past the last group, which must come out zero
     sizes = np.bincount(r.integers(0, e, m - m // 3), minlength=e)
   return jnp.asarray(sizes, jnp.int32)
-
-
-def assert_close(got, want):
-  assert got.shape == want.shape and got.dtype == want.dtype
-  g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  assert np.all(np.isfinite(g))
-  assert rel_rms(g, w) <= RMS_TOL, rel_rms(g, w)
-  assert np.all(np.abs(g - w) <= 2.0**-7 * np.abs(w) + 1e-3 * np.abs(w).max())
 
 
 def skip_fnuz(impl, fmt):
@@ -89,12 +70,11 @@ class TestEveryImplementation:
     qa = group_quant(x, fmt=FORMATS[fmt], layout=layout, implementation="xla")
     got = ragged_fp8_matmul(qa, qw, sw, sizes, rows=rows, implementation=impl)
     # Each sorted row is its token through its expert: per-pair fp8_matmul.
-    experts_of = idx.reshape(-1)[order]
-    want = jnp.stack([fp8_matmul(qa.with_layout("row").q[None, r] if False else
-                                 type(qa)(qa.with_layout("row").q[r:r + 1],
-                                          qa.with_layout("row").scale[r:r + 1]),
-                                 qw[x_e], sw[x_e], implementation="xla")[0]
-                      for r, x_e in zip(np.asarray(rows), experts_of)])
+    q = qa.with_layout("row")
+    want = jnp.concatenate([
+        fp8_matmul(type(qa)(q.q[r:r + 1], q.scale[r:r + 1]), qw[ex], sw[ex],
+                   implementation="xla")
+        for r, ex in zip(np.asarray(rows), idx.reshape(-1)[order])])
     assert_close(got, want)
 
   def test_ue8m0_and_determinism(self, impl):
