@@ -18,6 +18,7 @@ SMOKE = {
     "decode": ["--batches", "1"],
     "fp8_matmul": [],
     "moe_gemm": ["--experts", "4", "--topk", "2", "--ms", "1", "3"],
+    "prefill": [],  # the tiny presets, prompts of 20 and 37 tokens in chunks of 16
     "rmsnorm_quant": [],
 }
 
