@@ -156,6 +156,16 @@ SPECS = {
                  ("of weight + cache roofline", field("roofline_frac"))),
         headline=({"preset": "deepseek-v3-layers", "batch": 1},
                   {"preset": "qwen3.5-layers", "batch": 1})),
+    "prefill": Spec(
+        "Prefill of the model presets (`models`), a prompt into an empty cache, bf16 and FP8 on "
+        "one set of weights",
+        cell=lambda r: num(r["time_ms"]), unit="ms", default_impl="fused",
+        summary=(("tokens/s", field("tokens_per_s", 0)),
+                 ("of FLOP roofline", field("roofline_frac")),
+                 ("peak GB", lambda r, _: num(r["peak_bytes"] / 1e9)),
+                 ("over bf16", lambda r, by: ratio(by.get("bf16"), r, "time_ms"))),
+        headline=({"preset": "deepseek-v3-deep", "batch": 1, "tokens": 16384},
+                  {"preset": "qwen3.5-deep", "batch": 1, "tokens": 16384})),
     "allreduce_fusion": Spec(
         "All-reduce + RMSNorm + FP8 quant under `shard_map` (`jfusedq.parallel`)",
         cell=lambda r: f"{num(r.get('kernel_us'))} ({num(r['time_us'])})",

@@ -3,6 +3,7 @@
 from jfusedq.errors import DTypeError, InputError, JfusedqError, debug_checks
 from jfusedq.fp8 import Fp8Format, QuantizedActivation, default_format
 from jfusedq.ops._dispatch import Unsupported, implementations
+from jfusedq.ops.attention import attention
 from jfusedq.ops.fp8_matmul import fp8_matmul, grouped_fp8_matmul
 from jfusedq.ops.group_quant import group_quant
 from jfusedq.ops.ragged_fp8_matmul import ragged_fp8_matmul, ragged_matmul
@@ -24,6 +25,7 @@ __all__ = [
     "Unsupported",
     "allreduce_rmsnorm_quant",
     "allreduce_rmsnorm_quant_sharded",
+    "attention",
     "chosen_strategy",
     "debug_checks",
     "default_format",

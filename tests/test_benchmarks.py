@@ -18,6 +18,7 @@ SMOKE = {
     "decode": ["--batches", "1"],
     "fp8_matmul": [],
     "moe_gemm": [],
+    "prefill": [],  # the tiny presets, prompts of 20 and 37 tokens in chunks of 16
     "rmsnorm_quant": [],
 }
 

@@ -56,8 +56,9 @@ def implementations(**orders: Order | None) -> Iterator[None]:
   (`strategy=None` for the all-reduces) behave as if they had passed the given value.
 
   E.g. `with jfusedq.implementations(rmsnorm_quant="xla", fp8_matmul=("pallas", "xla")):`.
-  Keys: "rmsnorm_quant", "rmsnorm", "group_quant", "fp8_matmul", "grouped_fp8_matmul" (backend
-  names) and "allreduce_rmsnorm_quant" (strategy names, for every entry of jfusedq.parallel:
+  Keys: "rmsnorm_quant", "rmsnorm", "group_quant", "fp8_matmul", "grouped_fp8_matmul",
+  "ragged_fp8_matmul", "ragged_matmul", "attention" (backend names) and
+  "allreduce_rmsnorm_quant" (strategy names, for every entry of jfusedq.parallel:
   `allreduce_rmsnorm_quant`, `reduce_scatter_rmsnorm_quant`, their `_sharded` wrapper and
   `chosen_strategy`). The all-reduce strategies pass `implementation=None` on to their ops, so
   an op's override reaches them too. None restores the default order inside a nested block. Read

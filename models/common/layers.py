@@ -30,7 +30,9 @@ class Options:
   tp_axis: the mesh axis of tensor parallelism (the model then runs inside `jax.shard_map`
     over it, see `tp_apply`), or None.
   ar_strategy: the all-reduce + norm + quant strategy under TP (None: the best available).
-  implementation: kernel backend of every jfusedq op the model runs (None: each op's best).
+  implementation: kernel backend of every jfusedq op the model runs (None: each op's best),
+    but the prefill attention's, whose backends are its own (`jfusedq.ops.attention`; chosen
+    with `jfusedq.implementations(attention=...)`).
   """
 
   quant: QuantConfig | None
@@ -215,6 +217,13 @@ def check_call(tokens, *, vocab: int, cache_len: int | None, pos) -> None:
   if p < 0 or p + t > cache_len:
     raise InputError(f"pos = {p} with {t} tokens needs slots [{p}, {p + t}), outside the "
                      f"cache's [0, {cache_len}): pos must lie in [0, {cache_len - t}]")
+
+
+def check_chunk(chunk) -> None:
+  """A prefill chunk (`CausalLM.__call__`): an int >= 1, or None."""
+  if chunk is not None and (not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool)
+                            or chunk < 1):
+    raise InputError(f"chunk must be an int >= 1 or None, got {chunk!r}")
 
 
 def check_cache_args(batch, max_len) -> None:

@@ -11,10 +11,18 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from jfusedq.checkpoint import QuantConfig
 from jfusedq.nn import Linear
-from models.common.layers import CausalLMOutput, Embedding, Impl, Options, check_call, fused_flags
+from jfusedq.errors import InputError
+from models.common.layers import (CausalLMOutput, Embedding, Impl, Options, check_call,
+                                  check_chunk, fused_flags)
+
+# Prompt tokens a prefill runs at once (`CausalLM.__call__`'s `chunk`). A placeholder until
+# benchmarks/prefill.py --chunks measures the deep presets on the H200: the value that keeps
+# prefill near its unchunked speed at the least peak memory becomes the default.
+PREFILL_CHUNK = 8192
 
 
 class CausalLM(nnx.Module):
@@ -84,29 +92,72 @@ class CausalLM(nnx.Module):
     return ()
 
   def __call__(self, tokens: jax.Array, *, cache: Sequence | None = None,
-               pos: jax.Array | int = 0) -> CausalLMOutput:
+               pos: jax.Array | int = 0, chunk: int | None = PREFILL_CHUNK,
+               logits: str = "all") -> CausalLMOutput:
     """tokens `[B, T]` int at positions pos .. pos + T - 1 -> (logits `[B, T, V]` f32, cache).
 
     With `cache` (from `init_cache`) the call appends to it and attends to everything before.
-    Every sequence of the batch is at the same position (no padding). The inputs are checked
-    by `models.common.layers.check_call`.
+    Every sequence of the batch is at the same position (no padding). `chunk` (with a cache): a
+    prompt of more tokens runs `chunk` at a time into the cache (`_forward`); None: at once.
+    `logits="last"`: only the last position's, `[B, 1, V]` (what a serving prefill samples
+    from; the LM head then runs on one position). The inputs are checked by
+    `models.common.layers.check_call`.
     """
-    return self._forward(tokens, cache, pos)
+    return self._forward(tokens, cache, pos, chunk=chunk, logits=logits)
 
-  def _forward(self, tokens: jax.Array, cache: Sequence | None, pos, **layer_kw
-              ) -> CausalLMOutput:
-    """`__call__`, with `layer_kw` passed to every layer."""
+  def _forward(self, tokens: jax.Array, cache: Sequence | None, pos, *, chunk: int | None,
+               logits: str, **layer_kw) -> CausalLMOutput:
+    """`__call__`, with `layer_kw` passed to every layer.
+
+    Chunked prefill: with a cache and T > chunk, the first n = ceil(T / chunk) - 1 chunks of
+    `chunk` tokens run one after another in a `lax.scan` (one trace of the layers; each chunk
+    writes its keys into the cache and attends to every earlier one through it), then the last
+    1 .. chunk tokens. Activations, the MoE's expert intermediates and the attention's blocks
+    then scale with the chunk, not the prompt; the cache and (logits="all") the logits scale
+    with the prompt.
+    """
     check_call(tokens, vocab=self.cfg.vocab_size, pos=pos,
                cache_len=None if cache is None else self._cache_len(cache))
+    check_chunk(chunk)
+    if logits not in ("all", "last"):
+      raise InputError(f"logits must be 'all' or 'last', got {logits!r}")
+    b, t = tokens.shape
+    if cache is None or chunk is None or t <= chunk:
+      out, new = self._pass(tokens, cache, pos, logits, layer_kw)
+      return CausalLMOutput(out, new)
+    n = (t - 1) // chunk
+    pos = jnp.asarray(pos, jnp.int32)
+
+    def step(carry, toks):
+      cache, p = carry
+      out, cache = self._pass(toks, cache, p, None if logits == "last" else "all", layer_kw)
+      return (cache, p + chunk), out
+
+    head = tokens[:, :n * chunk].reshape(b, n, chunk).swapaxes(0, 1)  # [n, B, chunk]
+    (cache, pos), outs = lax.scan(step, (tuple(cache), pos), head)
+    out, cache = self._pass(tokens[:, n * chunk:], cache, pos, logits, layer_kw)
+    if logits == "all":
+      out = jnp.concatenate([outs.swapaxes(0, 1).reshape(b, n * chunk, -1), out], axis=1)
+    return CausalLMOutput(out, cache)
+
+  def _pass(self, tokens: jax.Array, cache: Sequence | None, pos, logits: str | None,
+            layer_kw: dict) -> tuple[jax.Array | None, tuple | None]:
+    """One pass of `tokens` through the layers: (logits of every position ("all"), of the last
+    ("last") or None (None: no LM head), the updated cache)."""
     args = self._layer_args(tokens, pos)
     h, residual, new = self.embed_tokens(tokens), None, []
     for i, layer in enumerate(self.layers):
       h, residual, c = layer(h, residual, *args, cache=None if cache is None else cache[i],
                              pos=pos, **layer_kw)
       new.append(c)
+    new = None if cache is None else tuple(new)
+    if logits is None:
+      return None, new
+    if logits == "last":
+      h, residual = h[:, -1:], residual[:, -1:]
     y, _ = self.norm(h, residual)
-    logits = self.embed_tokens.attend(y) if self.lm_head is None else self.lm_head(y)
-    return CausalLMOutput(logits.astype(jnp.float32), None if cache is None else tuple(new))
+    out = self.embed_tokens.attend(y) if self.lm_head is None else self.lm_head(y)
+    return out.astype(jnp.float32), new
 
   def partition_specs(self, state):
     return self.sharding.partition_specs(state, self.opts.tp_axis)

@@ -29,9 +29,14 @@ MLA (q_lora_rank set, as in DeepSeek-V3):
                                         one head shared by all)
   o = softmax(q k^T * scale + causal) v, scale = Dqk^-0.5 * yarn_mscale(factor, mscale_all_dim)^2
   out = o_proj(o)                                           [B, T, H]
-With a cache (prefill and decode) the layer keeps MLA's latent, kv and k_pe (`KVCache`), and
-attends with kv_b_proj absorbed into q and o (`MLA._absorbed`); without one it runs the
-per-head formula above, as Hugging Face does.
+With a cache the layer keeps MLA's latent, kv and k_pe (`KVCache`). A decode step (T = 1)
+attends with kv_b_proj absorbed into q and o (`MLA._absorbed`): it reads Lkv + R values a cached
+token. Any longer call (prefill, with or without a cache) runs the per-head formula above, as
+Hugging Face does, over the new tokens and the cached prefix, which kv_b_proj expands to per-head
+keys and values one segment at a time (`jfusedq.ops.attention`: cuDNN's flash attention on an
+NVIDIA GPU, an online softmax over key blocks elsewhere; never the T x S scores). Per (query,
+key) pair the per-head form costs NH (Dqk + Dv) multiply-adds (40960 in DeepSeek-V3) against the
+absorbed form's NH (2 Lkv + R) (139264), plus kv_b_proj once a key and call.
 
 MoE: s = sigmoid(hp W_gate^T) [T, E] (f32); groups scored by the sum of their top-2 of
 s + e_score_correction_bias; experts chosen (top_k) from the best topk_group of n_group groups;
@@ -56,6 +61,7 @@ from flax import nnx
 from jax import lax
 
 from jfusedq.fp8 import BLOCK, QuantizedActivation
+from jfusedq.ops.attention import Prefix, attention
 from jfusedq.ops.fp8_matmul import activation_format
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
 from jfusedq.ops.group_quant import group_quant
@@ -183,7 +189,7 @@ class MoE(nnx.Module):
 
 
 class MLA(nnx.Module):
-  """Multi-head latent attention with a per-head KV cache (equations in the module docstring).
+  """Multi-head latent attention with a latent KV cache (equations in the module docstring).
 
   x `[B, T, H]` (array, or QuantizedActivation on the fused path) -> `[B, T, H]` (a partial
   sum under tensor parallelism, where this device holds NH = heads/tp heads).
@@ -226,44 +232,55 @@ class MLA(nnx.Module):
     q = self.q_b_proj(q_in).reshape(b, t, -1, cfg.qk_head_dim)  # [B, T, NH, Dqk]
     cs, sn = cos[:, :, None], sin[:, :, None]
     q = jnp.concatenate([q[..., :dn], apply_rope(q[..., dn:], cs, sn, cfg.rope_interleave)], -1)
-    k_pe = apply_rope(k_pe[:, :, None], cs, sn, cfg.rope_interleave)  # one head, shared
-    qpos = pos + jnp.arange(t)
+    k_pe = apply_rope(k_pe[:, :, None], cs, sn, cfg.rope_interleave)[:, :, 0]  # one head, shared
+    kv = self._latent(kv)
     if cache is not None:
-      return self._absorbed(q, kv, k_pe[:, :, 0], qpos, cache, pos)
-    # No cache (a whole sequence at once): per-head keys and values, Hugging Face's formula.
-    kvb = self.kv_b_proj(kv).reshape(b, t, -1, dn + cfg.v_head_dim)  # [B, T, NH, Dn + Dv]
-    k_nope, v = kvb[..., :dn], kvb[..., dn:]
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe, (*k_nope.shape[:-1], k_pe.shape[-1]))],
-                        -1)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k.astype(q.dtype),
-                        preferred_element_type=jnp.float32) * self.scale
-    scores = jnp.where(qpos[None, :] <= qpos[:, None], scores, -jnp.inf)  # causal
-    p = jax.nn.softmax(scores, axis=-1)
-    o = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+      codes, scales = (kv.q, kv.row_scale()) if isinstance(kv, QuantizedActivation) else (kv, None)
+      cache = KVCache(write_cache(cache.kv, codes, pos), write_cache(cache.kv_scale, scales, pos),
+                      write_cache(cache.k_pe, k_pe, pos))
+      if t == 1:
+        return self._absorbed(q, pos + jnp.arange(t), cache), cache
+    k, v = self._heads(kv, k_pe)
+    prefix = None if cache is None else Prefix(
+        lambda start, size: self._heads(*_slots(cache, start, size)), pos, cache.kv.shape[1])
+    o = attention(q, k, v, scale=self.scale, prefix=prefix)  # [B, T, NH, Dv] f32
     return self.o_proj(o.reshape(b, t, -1).astype(self.dtype)), cache
 
-  def _absorbed(self, q, kv, k_pe, qpos, cache: KVCache, pos):
+  def _latent(self, kv: jax.Array) -> jax.Array | QuantizedActivation:
+    """The normalised latent `[B, T, Lkv]` as kv_b_proj consumes it and the cache holds it: its
+    1 x 128 fp8 codes and scales for an FP8 kv_b_proj (quantised once, for both), else kv."""
+    if not is_fp8(self.kv_b_proj):
+      return kv
+    return group_quant(kv, group_size=BLOCK, fmt=activation_format(self.kv_b_proj.weight.dtype),
+                       ue8m0=self.kv_b_proj.ue8m0, implementation=self.implementation)
+
+  def _heads(self, kv, k_pe: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-head keys and values of latent tokens: kv `[B, S, Lkv]` (`_latent`'s form), k_pe
+    `[B, S, R]` -> k `[B, S, NH, Dqk]` = [k_nope | k_pe], v `[B, S, NH, Dv]`, in dtype."""
+    cfg = self.cfg
+    dn = cfg.qk_nope_head_dim
+    b, s = k_pe.shape[:2]
+    kvb = self.kv_b_proj(kv).reshape(b, s, -1, dn + cfg.v_head_dim)  # [B, S, NH, Dn + Dv]
+    k_pe = jnp.broadcast_to(k_pe[:, :, None].astype(kvb.dtype), (*kvb.shape[:3], k_pe.shape[-1]))
+    return jnp.concatenate([kvb[..., :dn], k_pe], -1), kvb[..., dn:]
+
+  def _absorbed(self, q, qpos, cache: KVCache):
     """Attention over the latent cache, kv_b_proj folded into the query and the output
     (DeepSeek-V2's absorption): with W = kv_b_proj's weight `[NH, Dn + Dv, Lkv]` split into
     W_uk `[NH, Dn, Lkv]` and W_uv `[NH, Dv, Lkv]`,
       q_nope . k_nope = (q_nope W_uk) . kv        o = (softmax(...) kv) W_uv^T
-    so a step reads Lkv + R values per cached token instead of NH (Dqk + Dv). kv enters as
-    kv_b_proj would see it (its fp8 codes and scales when kv_b_proj is FP8), so this equals the
-    per-head formula up to where the roundings fall.
-    q `[B, T, NH, Dqk]` (rope part rotated), kv `[B, T, Lkv]`, k_pe `[B, T, R]`."""
+    so a step reads Lkv + R values per cached token instead of NH (Dqk + Dv). The cache holds
+    kv as kv_b_proj would see it (its fp8 codes and scales when kv_b_proj is FP8), so this
+    equals the per-head formula up to where the roundings fall.
+    q `[B, T, NH, Dqk]` (rope part rotated), cache written through position qpos[-1] -> o_proj's
+    output `[B, T, H]`."""
     cfg = self.cfg
     b, t, nh, _ = q.shape
     dn, lkv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
     if is_fp8(self.kv_b_proj):
-      kq = group_quant(kv, group_size=BLOCK, fmt=activation_format(self.kv_b_proj.weight.dtype),
-                       ue8m0=self.kv_b_proj.ue8m0, implementation=self.implementation)
-      new = (kq.q, kq.row_scale())
       w = dequantize_weight(self.kv_b_proj.weight[...], self.kv_b_proj.weight_scale_inv[...])
     else:
-      new = (kv.astype(cache.kv.dtype), None)
       w = self.kv_b_proj.weight[...].astype(jnp.float32)
-    cache = KVCache(write_cache(cache.kv, new[0], pos), write_cache(cache.kv_scale, new[1], pos),
-                    write_cache(cache.k_pe, k_pe, pos))
     # In f32 throughout: these einsums are small beside the projections (Lkv = 512 wide, one
     # query token at decode), the dequantised weight stays exact, and XLA:CPU has no batched
     # bf16 x bf16 -> f32 dot to fall back on.
@@ -279,7 +296,15 @@ class MLA(nnx.Module):
     scores = jnp.where(kpos[None, :] <= qpos[:, None], scores, -jnp.inf)
     p = jax.nn.softmax(scores, axis=-1)
     o = jnp.einsum("bthc,hdc->bthd", jnp.einsum("bhts,bsc->bthc", p, lat), w[:, dn:])
-    return self.o_proj(o.reshape(b, t, -1).astype(self.dtype)), cache
+    return self.o_proj(o.reshape(b, t, -1).astype(self.dtype))
+
+
+def _slots(cache: KVCache, start: jax.Array, size: int):
+  """Slots [start, start + size) of a layer's cache: (kv in `MLA._latent`'s form, k_pe)."""
+  cut = lambda a: lax.dynamic_slice_in_dim(a, start, size, axis=1)
+  kv = cut(cache.kv) if cache.kv_scale is None else QuantizedActivation(cut(cache.kv),
+                                                                       cut(cache.kv_scale))
+  return kv, cut(cache.k_pe)
 
 
 class DecoderLayer(nnx.Module):

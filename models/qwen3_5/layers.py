@@ -44,6 +44,7 @@ from flax import nnx
 from jax import lax
 
 from jfusedq.nn import Linear, RMSNorm, high_precision
+from jfusedq.ops.attention import Prefix, attention
 from jfusedq.ops.gated_delta_rule import gated_delta_rule
 from jfusedq.ops.rmsnorm_quant.reference import rmsnorm as rmsnorm_f32
 from models.common import MLP, Options, prepare, rotate_half_rope, write_cache
@@ -153,7 +154,11 @@ class Attention(nnx.Module):
         (q_norm, k_norm zero-centred over D; rotate-half RoPE on the first rotary_dim dims)
     o = softmax(q k^T / sqrt(D) + causal mask) v       query head j reads kv head j // (Hq/Hkv)
     out = o_proj(o * sigmoid(gate))                     [B, T, H] (a partial sum under TP)
-  The cache holds k, v `[B, S, Hkv, D]`; this call writes positions [pos, pos + T).
+  The cache holds k, v `[B, S, Hkv, D]`; this call writes positions [pos, pos + T). A decode
+  step (T = 1) scores the whole cache at once (`_decode`); a longer call (prefill) attends over
+  the new tokens and the cached positions [0, pos) without the T x S scores
+  (`jfusedq.ops.attention`: cuDNN's flash attention on an NVIDIA GPU, an online softmax over key
+  blocks elsewhere).
   """
 
   def __init__(self, cfg: Qwen35Config, layer: int, opts: Options, *, rngs: nnx.Rngs):
@@ -186,10 +191,24 @@ class Attention(nnx.Module):
     q, k = self.q_norm(q), self.k_norm(k)
     q = rotate_half_rope(q, pos, self.theta, self.rotary_dim)
     k = rotate_half_rope(k, pos, self.theta, self.rotary_dim)
-    new = None
-    if cache is not None:
-      k, v = write_cache(cache["k"], k, pos), write_cache(cache["v"], v, pos)
-      new = {"k": k, "v": v}
+    if cache is None:
+      o, new = attention(q, k, v, scale=d**-0.5), None  # [B, T, Hq, D] f32
+    else:
+      new = {"k": write_cache(cache["k"], k, pos), "v": write_cache(cache["v"], v, pos)}
+      if t == 1:
+        o = self._decode(q, new, pos)
+      else:
+        fetch = lambda start, size: tuple(lax.dynamic_slice_in_dim(new[n], start, size, axis=1)
+                                          for n in ("k", "v"))
+        o = attention(q, k, v, scale=d**-0.5, prefix=Prefix(fetch, pos, new["k"].shape[1]))
+    o = (o.reshape(b, t, -1) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(self.dtype)
+    return self.o_proj(o), new
+
+  def _decode(self, q, cache: dict, pos) -> jax.Array:
+    """One token's attention over the whole cache, every slot scored and the slots past pos
+    masked: q `[B, 1, Hq, D]` -> o `[B, 1, Hq, D]` f32."""
+    k, v = cache["k"], cache["v"]
+    b, t, _, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
     q = q.reshape(b, t, hkv, -1, d)  # [B, T, Hkv, rep, D]
     scores = jnp.einsum("btgrd,bsgd->bgrts", q, k.astype(q.dtype),
@@ -199,9 +218,8 @@ class Attention(nnx.Module):
     scores = jnp.where(mask, scores, -jnp.inf)
     p = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
     o = jnp.einsum("bgrts,bsgd->btgrd", p, v.astype(self.dtype),
-                   preferred_element_type=jnp.float32).reshape(b, t, -1)
-    o = (o * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(self.dtype)
-    return self.o_proj(o), new
+                   preferred_element_type=jnp.float32)
+    return o.reshape(b, t, -1, d)
 
   def init_cache(self, batch: int, length: int, dtype) -> dict:
     hkv = self.k_proj.weight.shape[0] // self.d

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import jax
 
-from models.common import CausalLM, CausalLMOutput
+from models.common import PREFILL_CHUNK, CausalLM, CausalLMOutput
 from models.common.layers import check_cache_args
 from models.qwen3_5 import sharding
 from models.qwen3_5.config import GDN
@@ -40,15 +40,17 @@ class Qwen35ForCausalLM(CausalLM):
                  else l.mixer.init_cache(batch, max_len, dt) for l in self.layers)
 
   def __call__(self, tokens: jax.Array, *, cache: Sequence[dict] | None = None, pos=0,
+               chunk: int | None = PREFILL_CHUNK, logits: str = "all",
                gdn_mode: str | None = None) -> CausalLMOutput:
     """tokens `[B, T]` int at positions pos .. pos + T - 1 -> (logits `[B, T, V]` f32, cache).
 
     With `cache` (from `init_cache`) the call appends to it: attention writes k, v at
     [pos, pos + T), GDN continues from the conv and recurrent states. Every sequence of the
-    batch is at the same position (no padding). gdn_mode: "chunk" / "recurrent" (default:
-    recurrent for T == 1, chunked otherwise).
+    batch is at the same position (no padding). chunk, logits: as `CausalLM.__call__` (a chunk
+    hands GDN's states to the next through the cache). gdn_mode: "chunk" / "recurrent"
+    (default: recurrent for T == 1, chunked otherwise).
     """
-    return self._forward(tokens, cache, pos, gdn_mode=gdn_mode)
+    return self._forward(tokens, cache, pos, chunk=chunk, logits=logits, gdn_mode=gdn_mode)
 
   def _cache_len(self, cache: Sequence[dict]) -> int | None:
     # GDN states hold no positions: the first attention layer's k gives the cache length.
