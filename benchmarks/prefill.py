@@ -15,8 +15,8 @@ time. compile_s: the prefill's compile.
 roofline_frac = (projection FLOPs / FP8 peak + attention FLOPs / bf16 peak) / time: one roofline
 per case whatever the path, so the rows' fractions compare as their speeds do.
   projection FLOPs: 2 * B * T * the N * K of every projection a token passes (the routed experts
-    top_k of E; the LM head once a sequence, logits="last"): what the model must compute. The
-    dense MoE formulation computes all E experts, E / top_k times the routed FLOPs.
+    top_k of E; the LM head once a sequence, logits="last"): what the model must compute (the
+    MoE layer computes only those, `models.common.moe`).
   attention FLOPs: 2 * B * Hq * (Dqk + Dv) * T (T + 1) / 2 per full-attention layer (the causal
     (query, key) pairs; MLA per head: Dqk = 192, Dv = 128). Qwen3.5's gated delta rule (its
     linear-attention layers' recurrence, ~1% of such a layer's FLOPs) is left out.
