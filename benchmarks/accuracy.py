@@ -177,7 +177,7 @@ def evaluate(cfg, tensors, ids: np.ndarray, labels: dict[str, dict], chunk: int 
   the standard error of the paired difference (`*_se`). The windows run `chunk` at a time
   (all: None), every path on a chunk before the next, so that only one chunk's bf16
   distribution is held for the KL. After each chunk: `log(the figures so far, {label:
-  `[2, predictions so far]`, per-prediction NLL and KL})`."""
+  `[3, predictions so far]`: per prediction NLL, KL and top-1 agreement})`."""
   forward = nnx.jit(lambda m, x: m(x).logits)
   chunk = chunk or ids.shape[0]
   models = {label: from_tensors(cfg, tensors, **kw) for label, kw in labels.items()}
@@ -202,8 +202,7 @@ def evaluate(cfg, tensors, ids: np.ndarray, labels: dict[str, dict], chunk: int 
     del ref_logp
     out = _figures(labels, scores, seconds)
     if log is not None:
-      log(out, {k: np.stack([np.concatenate(v[0]), np.concatenate(v[1])])
-                for k, v in scores.items()})
+      log(out, {k: np.stack([np.concatenate(a) for a in v]) for k, v in scores.items()})
   return out
 
 
@@ -320,8 +319,8 @@ def main(argv=None):
                   help="keep the results file's rows of cases this run does not measure")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--commit", default="unknown")
-  ap.add_argument("--scores", help="write the main case's per-prediction NLL and KL of every "
-                  "path here (.npz, `[2, predictions]` by path), for analysis")
+  ap.add_argument("--scores", help="write the main case's per-prediction NLL, KL and top-1 "
+                  "agreement of every path here (.npz, `[3, predictions]` by path)")
   ap.add_argument("--smoke", action="store_true", help="2 windows of 32 tokens, XLA only")
   args = ap.parse_args(argv)
   if (why := missing()) is not None:
@@ -340,13 +339,15 @@ def main(argv=None):
   for i, (ids, name, labels) in enumerate(cases):
 
     def progress(figures, scores, ids=ids, name=name, labels=labels, i=i, done=list(out)):
-      # The file holds every figure so far, so a run cut short still leaves its results.
+      # The file holds every figure so far, on the windows so far, so a run cut short still
+      # leaves its results.
       if args.scores and i == 0:
         np.savez(args.scores, **scores)
-      write(merged(done + rows(figures, labels, ids, cost=i == 0, name=name), old),
+      n = next(iter(scores.values())).shape[1] // (ids.shape[1] - 1)
+      write(merged(done + rows(figures, labels, ids[:n], cost=i == 0, name=name), old),
             args.commit, args.out)
       f = next(iter(figures.values()))
-      print(f"{name}: {f['seconds']:.0f} s; " + "; ".join(
+      print(f"{name}: {n} of {ids.shape[0]} windows, {f['seconds']:.0f} s; " + "; ".join(
           f"{k} {v['delta_vs_bf16']:+.4f}" for k, v in figures.items() if k != "bf16"),
           flush=True)
 
