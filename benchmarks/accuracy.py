@@ -30,7 +30,8 @@ at most MAX_FUSED_EXCESS over unfused, an implementation is within MAX_IMPL_DIFF
 on the same path, the last two beyond the noise of the difference.
 
 Run: python benchmarks/accuracy.py [--text license|pydoc] [--batch 8] [--length 256]
-     [--chunk 8] [--formats e4m3fn e4m3fnuz] [--scales amax ue8m0] [--impls pallas triton]
+     [--chunk 8] [--formats e4m3fn e4m3fnuz] [--scales amax ue8m0] [--paths LABEL ...]
+     [--impls pallas triton]
      [--impl-batch 2] [--impl-length 64] [--keep] [--out DIR] [--commit SHA] [--smoke]
 `--keep`: the rows already in DIR/accuracy.json of cases this run does not measure stay, each
 stamped with its own run's commit and date (the long pydoc run beside the gate's short one).
@@ -310,6 +311,8 @@ def main(argv=None):
   ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
   ap.add_argument("--scales", nargs="+", default=list(SCALES), choices=SCALES,
                   help="activation scales: amax / fp8_max, or rounded up to powers of two")
+  ap.add_argument("--paths", nargs="+", help="only these of the main case's paths (bf16, "
+                  "the reference, always runs), e.g. fused-e4m3fnuz unfused-e4m3fnuz")
   ap.add_argument("--impls", nargs="*", default=["pallas"],
                   help="implementations compared with XLA (e4m3fn, on the smaller case, "
                   "license text)")
@@ -329,8 +332,12 @@ def main(argv=None):
     args.batch, args.length, args.impls = 2, 32, []
     args.formats, args.scales = ["e4m3fn"], ["amax"]
   cfg, tensors = load()
-  cases = [(tokens(args.batch, args.length, args.text), args.text,
-            paths(["xla"], args.formats, args.scales))]
+  main_paths = paths(["xla"], args.formats, args.scales)
+  if args.paths:
+    if unknown := set(args.paths) - set(main_paths):
+      sys.exit(f"accuracy: no path {sorted(unknown)} among {list(main_paths)}")
+    main_paths = {k: v for k, v in main_paths.items() if k == "bf16" or k in args.paths}
+  cases = [(tokens(args.batch, args.length, args.text), args.text, main_paths)]
   if args.impls:
     cases.append((tokens(args.impl_batch, args.impl_length), "license",
                   paths(["xla", *args.impls], ["e4m3fn"])))
