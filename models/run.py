@@ -97,25 +97,26 @@ ACCURACY = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "
 def fp8_cost(fmt: str, path: str = ACCURACY) -> dict | None:
   """The trained-model reference for the FP8 paths in format `fmt`, from the accuracy
   benchmark's results: {"case", "commit", "bf16_nll", "unfused"/"fused": (NLL - bf16 NLL, its
-  standard error)} on its main case with the XLA ops and amax scales; None where the file (a
-  checkout's) is absent or has no such rows."""
+  standard error)} on the case with the most tokens that has `fmt` rows, with the XLA ops and
+  amax scales; None where the file (a checkout's) is absent or has no such rows."""
   try:
     with open(path) as f:
       doc = json.load(f)
   except (OSError, ValueError):
     return None
-  rows = [r for r in doc.get("rows", ()) if r.get("implementation") == "xla"
-          and not r.get("ue8m0")]
-  if not rows:
-    return None
-  tokens = max(r["case"]["tokens"] for r in rows)
-  main = [r for r in rows if r["case"]["tokens"] == tokens]
-  bf16 = next((r for r in main if r["format"] is None), None)
-  fp8 = {("fused" if r["fused"] else "unfused"): (r["delta_vs_bf16"], r["delta_se"])
-         for r in main if r["format"] == fmt}
-  if bf16 is None or not fp8:
-    return None
-  return dict(case=bf16["case"], commit=doc.get("commit"), bf16_nll=bf16["nll"], **fp8)
+  by_case: dict[str, list[dict]] = {}
+  for r in doc.get("rows", ()):
+    if r.get("implementation") == "xla" and not r.get("ue8m0"):
+      by_case.setdefault(json.dumps(r["case"], sort_keys=True), []).append(r)
+  # The case with the most tokens that measured both bf16 and `fmt`.
+  for main in sorted(by_case.values(), key=lambda rs: -rs[0]["case"]["tokens"]):
+    bf16 = next((r for r in main if r["format"] is None), None)
+    fp8 = {("fused" if r["fused"] else "unfused"): (r["delta_vs_bf16"], r["delta_se"])
+           for r in main if r["format"] == fmt}
+    if bf16 is not None and fp8:
+      return dict(case=bf16["case"], commit=bf16.get("commit", doc.get("commit")),
+                  bf16_nll=bf16["nll"], **fp8)
+  return None
 
 
 @dataclasses.dataclass
