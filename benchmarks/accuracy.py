@@ -233,7 +233,8 @@ def handoff(cfg, tensors, ids: np.ndarray, quant: QuantConfig) -> list[dict]:
     scales_differ, scale_diff, codes_differ: on the fused path's inputs, the fraction of the
       fused norm's group scales that differ from what the unfused path's projections compute
       from the bf16 norm output of the same inputs, the largest relative difference between
-      the two, and the fraction of codes that differ;
+      the two, and the fraction of codes that differ; fused_coarser, fused_finer: the fraction
+      of groups whose fused scale is the larger, the smaller (UE8M0: by 2x);
     err_fused, err_unfused: the relative RMS error of those two dequantised handoffs against
       the exact (f32) norm output, which the fused path rounds once, to FP8, and the unfused
       path twice, to bf16 and then to FP8;
@@ -284,6 +285,7 @@ def handoff(cfg, tensors, ids: np.ndarray, quant: QuantConfig) -> list[dict]:
     out.append(dict(layer=i // 2, norm=("input", "post_attention")[i % 2],
                     scales_differ=float(np.mean(sf != su)),
                     scale_diff=float(np.max(np.abs(sf / su - 1))),
+                    fused_coarser=float(np.mean(sf > su)), fused_finer=float(np.mean(sf < su)),
                     codes_differ=float(np.mean(f32(qf.q) != f32(qu.q))),
                     err_fused=rel(df, exact), err_unfused=rel(du, exact),
                     resid_fused=rel(resid(f), resid(b)), resid_unfused=rel(resid(u), resid(b)),
@@ -409,7 +411,8 @@ def main(argv=None):
         print(f"{fmt}, {scale} scales, {ids.size} tokens of {text(args.text)[1]}:")
         for r in handoff(cfg, tensors, ids, QuantConfig(FORMATS[fmt], ue8m0=scale == "ue8m0")):
           print(f"  layer {r['layer']:2d} {r['norm']:>14}: scales differ {r['scales_differ']:.4f}"
-                f" (by <= {r['scale_diff']:.1e}), codes {r['codes_differ']:.4f}; error fused "
+                f" (by <= {r['scale_diff']:.1e}; fused larger {r['fused_coarser']:.4f}, smaller "
+                f"{r['fused_finer']:.4f}), codes {r['codes_differ']:.4f}; error fused "
                 f"{r['err_fused']:.4f}, unfused {r['err_unfused']:.4f}; residual vs bf16 fused "
                 f"{r['resid_fused']:.4f}, unfused {r['resid_unfused']:.4f}, fused vs unfused "
                 f"{r['resid_fused_unfused']:.4f}", flush=True)
