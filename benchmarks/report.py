@@ -4,7 +4,8 @@ top-level README.md, from benchmarks/results/*.json.
 Each page keeps its hand-written text; only what lies between the BEGIN and END markers is
 generated. One table per benchmark and run (commit, date, ceilings); a row per case, a column
 per implementation, the default's figures after them (the prefill GEMM's run adds a grid of the
-default's speed-ups over cuBLAS and XLA bf16, by M and shape). A row whose correctness check
+default's speed-ups over cuBLAS and XLA bf16, by M and shape; the accuracy run every path's
+figures, a table per case). A row whose correctness check
 failed is shown with a cross and gives no ratio.
 
   python benchmarks/report.py          rewrite the generated parts of both pages
@@ -109,6 +110,32 @@ def prefill_grid(rows: list[dict]) -> list[str]:
   return lines
 
 
+def pm(r: dict, key: str, se: str | None = None) -> str:
+  """A paired NLL difference and its standard error (`se`, else key_se), '-' where the row has
+  none."""
+  return "-" if r.get(key) is None else f"{r[key]:+.4f} +- {r[se or key + '_se']:.4f}"
+
+
+def accuracy_grid(rows: list[dict]) -> list[str]:
+  """Every path's figures, a table per case: NLL, its paired differences from bf16, from the
+  unfused path (fused paths) and from XLA (other implementations), KL and top-1 against bf16."""
+  lines = []
+  for by_impl in cases(rows).values():
+    c = next(iter(by_impl.values()))["case"]
+    xla = any(r.get("vs_xla") is not None for r in by_impl.values())
+    head = ["path", "NLL", "- bf16", "KL vs bf16", "top-1 vs bf16", "fused - unfused"]
+    lines += [f"Per path, {c['tokens']} tokens ({c['windows']} x {c['window']}) of {c['text']}; "
+              "a difference +- the standard error of its paired per-prediction differences:", "",
+              "| " + " | ".join(head + ["- XLA"] * xla) + " |", "|" + "---|" * (len(head) + xla)]
+    for r in by_impl.values():
+      cells = [r["impl"], f"{r['nll']:.4f}" + ("" if r["correct"] else f" {FAILED}"),
+               pm(r, "delta_vs_bf16", "delta_se") if r["format"] else "-",
+               f"{r['kl_vs_bf16']:.4f}", f"{r['top1_vs_bf16']:.4f}", pm(r, "vs_unfused")]
+      lines.append("| " + " | ".join(cells + [pm(r, "vs_xla")] * xla) + " |")
+    lines.append("")
+  return lines[:-1]
+
+
 SPECS = {
     "rmsnorm_quant": Spec(
         "Fused add + RMSNorm + per-group FP8 quant (`jf.rmsnorm_quant`)",
@@ -182,7 +209,8 @@ SPECS = {
                   f"{r['delta_se']:.4f}"),
                  ("KL vs bf16", lambda r, _: f"{r['kl_vs_bf16']:.3g}"),
                  ("fused - unfused", lambda r, _: "-" if r.get("vs_unfused") is None else
-                  f"{r['vs_unfused']:+.4f} +- {r['vs_unfused_se']:.4f}"))),
+                  f"{r['vs_unfused']:+.4f} +- {r['vs_unfused_se']:.4f}")),
+        grid=accuracy_grid),
 }
 ORDER = list(SPECS)
 

@@ -117,27 +117,28 @@ def fp8_cost(fmt: str, path: str = ACCURACY) -> dict | None:
   """The trained-model reference for the FP8 paths in format `fmt`, from the accuracy
   benchmark's results: {"case" (its model, text and tokens), "commit", "date", "device",
   "bf16_nll", "unfused"/"fused": {"nll_delta": NLL - bf16 NLL, "se": its standard error}} on
-  its main case with the XLA ops and amax scales; None where the file (a checkout's) is absent
-  or has no such rows."""
+  the case with the most tokens that has `fmt` rows, with the XLA ops and amax scales, and that
+  case's own run; None where the file (a checkout's) is absent or has no such rows."""
   try:
     with open(path) as f:
       doc = json.load(f)
   except (OSError, ValueError):
     return None
-  rows = [r for r in doc.get("rows", ()) if r.get("implementation") == "xla"
-          and not r.get("ue8m0")]
-  if not rows:
-    return None
-  tokens = max(r["case"]["tokens"] for r in rows)
-  main = [r for r in rows if r["case"]["tokens"] == tokens]
-  bf16 = next((r for r in main if r["format"] is None), None)
-  fp8 = {("fused" if r["fused"] else "unfused"): dict(nll_delta=r["delta_vs_bf16"],
-                                                      se=r["delta_se"])
-         for r in main if r["format"] == fmt}
-  if bf16 is None or not fp8:
-    return None
-  return dict(case=bf16["case"], commit=doc.get("commit"), date=doc.get("date"),
-              device=doc.get("device"), bf16_nll=bf16["nll"], **fp8)
+  by_case: dict[str, list[dict]] = {}
+  for r in doc.get("rows", ()):
+    if r.get("implementation") == "xla" and not r.get("ue8m0"):
+      by_case.setdefault(json.dumps(r["case"], sort_keys=True), []).append(r)
+  # The case with the most tokens that measured both bf16 and `fmt`.
+  for main in sorted(by_case.values(), key=lambda rs: -rs[0]["case"]["tokens"]):
+    bf16 = next((r for r in main if r["format"] is None), None)
+    fp8 = {("fused" if r["fused"] else "unfused"): dict(nll_delta=r["delta_vs_bf16"],
+                                                        se=r["delta_se"])
+           for r in main if r["format"] == fmt}
+    if bf16 is not None and fp8:
+      run = lambda key: bf16.get(key, doc.get(key))
+      return dict(case=bf16["case"], commit=run("commit"), date=run("date"),
+                  device=run("device"), bf16_nll=bf16["nll"], **fp8)
+  return None
 
 
 @dataclasses.dataclass

@@ -122,6 +122,22 @@ def test_fp8_cost_reads_the_accuracy_results(tmp_path):
   assert 0 < cost["fused"]["nll_delta"] < 0.08 and 0 < cost["fused"]["se"] < 0.05
   assert cost["case"]["model"].startswith("SmolLM2") and cost["date"] and cost["device"]
   assert runner.fp8_cost("e4m3fn", str(tmp_path / "absent.json")) is None
+  # Each format from the largest case that measured it, with that row's own run.
+  case = lambda tokens: {"model": "m", "text": "t", "tokens": tokens}
+  row = lambda tokens, fmt, fused=None, delta=0.0, **kw: {
+      "case": case(tokens), "implementation": "xla", "ue8m0": False if fmt else None,
+      "format": fmt, "fused": fused, "nll": 2.0 + delta, "delta_vs_bf16": delta,
+      "delta_se": 0.001, **kw}
+  path = tmp_path / "accuracy.json"
+  path.write_text(json.dumps({"commit": "new", "rows": [
+      row(4096, None), row(4096, "e4m3fn", True, 0.02),
+      row(1024, None, commit="old"), row(1024, "e4m3fnuz", False, 0.03, commit="old"),
+      row(1024, "e4m3fn", True, 0.05, commit="old")]}))
+  assert runner.fp8_cost("e4m3fn", str(path))["fused"] == dict(nll_delta=0.02, se=0.001)
+  fnuz = runner.fp8_cost("e4m3fnuz", str(path))
+  assert fnuz["unfused"] == dict(nll_delta=0.03, se=0.001) and fnuz["case"] == case(1024)
+  assert fnuz["commit"] == "old" and "fused" not in fnuz
+  assert runner.fp8_cost("e4m3fnuz", str(tmp_path / "absent.json")) is None
 
 
 def test_paths_share_one_set_of_weights():

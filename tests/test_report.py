@@ -152,3 +152,25 @@ def test_sweep_rows_by_config(tmp_path):
   assert "| **band=16** | **2.00** | 1.0 | 1.000x |" in page
   assert "| band=8 | 1.00 | 1.0 | 2.000x |" in page
   assert f"| band=4 | 4.00 {report.FAILED} | 1.0 | {report.FAILED} |" in page
+
+
+def test_accuracy_grid_gives_every_path_its_figures(tmp_path):
+  """The accuracy run's second table: a line per path with its NLL, its paired differences
+  from bf16 and from the unfused path (each +- its standard error), KL and top-1; a failed
+  gate marked."""
+  case = {"model": "m", "text": "t", "tokens": 2048, "windows": 2, "window": 1024}
+  def row(impl, nll, fmt=None, correct=True, **extra):
+    return {"case": case, "impl": impl, "format": fmt, "nll": nll, "delta_vs_bf16": nll - 2.0,
+            "delta_se": 0.01, "kl_vs_bf16": 0.02, "top1_vs_bf16": 0.9, "vs_unfused": None,
+            "vs_unfused_se": None, "vs_xla": None, "vs_xla_se": None, "correct": correct,
+            **extra}
+  rows = [row("bf16", 2.0), row("unfused", 2.05, "e4m3fn"),
+          row("fused", 2.5, "e4m3fn", correct=False, vs_unfused=0.45, vs_unfused_se=0.002)]
+  args = _write(tmp_path, {"accuracy": _doc(rows, benchmark="accuracy")})
+  report.main(args)
+  page = (tmp_path / "page.md").read_text()
+  assert "Per path, 2048 tokens (2 x 1024) of t;" in page
+  assert "| bf16 | 2.0000 | - | 0.0200 | 0.9000 | - |" in page
+  assert "| unfused | 2.0500 | +0.0500 +- 0.0100 | 0.0200 | 0.9000 | - |" in page
+  assert (f"| fused | 2.5000 {report.FAILED} | +0.5000 +- 0.0100 | 0.0200 | 0.9000 | "
+          "+0.4500 +- 0.0020 |") in page
