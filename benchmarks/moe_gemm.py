@@ -70,8 +70,11 @@ def make_problem(t, e, topk, n, k, proj, skewed, seed):
     sets = []
     for i in range(count):
       kw, kx, kr = jax.random.split(jax.random.fold_in(jax.random.key(seed), i), 3)
-      qw, sw = jax.vmap(lambda w: quantize_weight(w, fmt))(
-          jax.random.normal(kw, (e, n, k), jnp.float32))
+      # One expert at a time: the whole [E, N, K] in f32 with its quantisation temporaries
+      # passed an H100's 80 GB at DeepSeek-V3's 256 experts.
+      qw, sw = jax.lax.map(lambda i: quantize_weight(
+          jax.random.normal(jax.random.fold_in(kw, i), (n, k), jnp.float32), fmt),
+          jnp.arange(e))
       idx = route(kr, t, e, topk, skewed)
       flat = idx.reshape(-1)
       order = jnp.argsort(flat, stable=True)
