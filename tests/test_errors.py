@@ -93,6 +93,13 @@ OPS = {
                 "unknown implementation ['trition']"),
     "mm_impl": (lambda: jf.fp8_matmul(_qa(128), W8, S8, implementation="cublas"), InputError,
                 "fp8_matmul: unknown implementation"),
+    # A bf16 input is quantised first: the error still names the GEMM, not its quantisation.
+    "mm_impl_bf16": (lambda: jf.fp8_matmul(X, W8, S8, implementation="cublas"),
+                     InputError, "fp8_matmul: unknown implementation"),
+    "ragged_impl": (lambda: jf.ragged_fp8_matmul(X, W8[None], S8[None],
+                                                 jnp.asarray([X.shape[0]]),
+                                                 implementation="pallas"),
+                    InputError, "ragged_fp8_matmul: unknown implementation"),
     "ar_strategy": (lambda: jf.chosen_strategy(X, jnp.ones(256), strategy="fusd"), InputError,
                     "unknown strategy ['fusd']"),
     "implementations_op": (lambda: jf.implementations(rmsnorm_qaunt="xla").__enter__(),

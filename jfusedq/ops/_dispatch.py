@@ -79,8 +79,13 @@ def implementations(**orders: Order | None) -> Iterator[None]:
 
 
 def requested(op: str, implementation: Order | None) -> Order | None:
-  """What the caller asked `op` for: `implementation`, or the `implementations` override."""
-  return _overrides.get().get(op) if implementation is None else implementation
+  """What the caller asked `op` for: `implementation`, or the `implementations` override;
+  names `op` does not declare raise here, before a step of the op (a GEMM's quantisation)
+  passes them on and the error names that step instead."""
+  order = _overrides.get().get(op) if implementation is None else implementation
+  if order is not None and op in CANDIDATES:
+    _names(op, order, CANDIDATES[op], _kinds[op])
+  return order
 
 
 def default_order(target: _target.Target | None = None,
