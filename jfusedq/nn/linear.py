@@ -153,10 +153,10 @@ class StackedLinear(nnx.Module):
     -> `[M, k, N]`. Reads M * k weight matrices, not E: the decode path."""
     if self.fmt is None:
       # As grouped_fp8_matmul: an id outside [0, E) reads a clamped expert, its product zeroed.
-      e = self.weight.shape[0]
-      w = self.weight[...][jnp.clip(idx, 0, e - 1)]  # [M, k, N, K]
+      ids, valid = _common.expert_ids(idx, self.weight.shape[0])
+      w = self.weight[...][ids]  # [M, k, N, K]
       y = self._dense(x, w, "mjk,mjnk->mjn" if batched else "mk,mjnk->mjn")
-      return jnp.where(((idx >= 0) & (idx < e))[..., None], y, jnp.zeros((), y.dtype))
+      return jnp.where(valid[..., None], y, jnp.zeros((), y.dtype))
     m, k = idx.shape
     # One product per (row, expert): row m's k products share its activation (group m).
     rows = (lambda t: t.reshape(m * k, 1, t.shape[-1])) if batched else (lambda t: t[:, None])

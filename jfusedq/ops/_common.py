@@ -91,3 +91,10 @@ def flat(a):
 def unflat(a, lead):
   """A kernel's `[rows, H]` output back to `[*lead, H]` (None stays None)."""
   return None if a is None else a.reshape(*lead, a.shape[-1])
+
+
+def expert_ids(ids, e: int):
+  """(ids clamped into [0, E) as int32, whether each was in range): the experts' one rule for an
+  id outside [0, E), read as a clamped expert and its product then zeroed (or its pair left out
+  of every group), so no implementation reads out of bounds or returns another expert's row."""
+  return jnp.clip(ids, 0, e - 1).astype(jnp.int32), (ids >= 0) & (ids < e)

@@ -30,6 +30,7 @@ from flax import nnx
 
 from jfusedq.fp8 import QuantizedActivation
 from jfusedq.nn import StackedLinear
+from jfusedq.ops import _common
 from jfusedq.ops.fp8_matmul import activation_format, scale_layout
 from jfusedq.ops.group_quant import group_quant
 
@@ -90,7 +91,8 @@ class Experts(nnx.Module):
     flat = ids.reshape(-1)
     # An id outside [0, E) sorts last and counts for no group: its rows are the zero tail.
     e = self.num_experts
-    key = jnp.where((flat >= 0) & (flat < e), flat, e)
+    clamped, valid = _common.expert_ids(flat, e)
+    key = jnp.where(valid, clamped, e)
     order = jnp.argsort(key, stable=True)
     rows = (order // k).astype(jnp.int32)  # the token of each sorted pair
     sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)

@@ -141,8 +141,7 @@ def grouped_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
   valid = None
   if ids is not None:
     check_range("ids", ids, 0, e)
-    valid = (ids >= 0) & (ids < e)
-    ids = jnp.clip(ids, 0, e - 1).astype(jnp.int32)
+    ids, valid = _common.expert_ids(ids, e)
   implementation = _dispatch.requested("grouped_fp8_matmul", implementation)
   qa = _quantized(a, weight, k, implementation, ue8m0, "row")
   if qa.q.ndim < 2:
