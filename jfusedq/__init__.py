@@ -6,6 +6,7 @@ from jfusedq.ops._dispatch import Unsupported, implementations
 from jfusedq.ops.attention import attention
 from jfusedq.ops.fp8_matmul import fp8_matmul, grouped_fp8_matmul
 from jfusedq.ops.group_quant import group_quant
+from jfusedq.ops.mla_decode import mla_decode
 from jfusedq.ops.ragged_fp8_matmul import ragged_fp8_matmul, ragged_matmul
 from jfusedq.ops.rmsnorm import RmsNormOutput, rmsnorm
 from jfusedq.ops.rmsnorm_quant import RmsNormQuantOutput, rmsnorm_quant
@@ -33,6 +34,7 @@ __all__ = [
     "group_quant",
     "grouped_fp8_matmul",
     "implementations",
+    "mla_decode",
     "ragged_fp8_matmul",
     "ragged_matmul",
     "reduce_scatter_rmsnorm_quant",

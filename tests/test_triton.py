@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from jfusedq import (Fp8Format, Unsupported, _target, _triton, fp8_matmul, group_quant,
-                     grouped_fp8_matmul, ragged_fp8_matmul, ragged_matmul, rmsnorm, rmsnorm_quant)
+                     grouped_fp8_matmul, mla_decode, ragged_fp8_matmul, ragged_matmul, rmsnorm,
+                     rmsnorm_quant)
 from jfusedq.nn import StackedLinear, quantize_weight
 from jfusedq.ops.fp8_matmul import Config
 from helpers import TRITON_CALL, lower
@@ -174,6 +175,36 @@ def matmul_ops(fmt):
                                     rows=rows, implementation="triton", config=big)]
 
 
+def decode_ops(fmt):
+  """MLA decode over an FP8 latent cache (DeepSeek-V3's widths, 128 heads, slots split) and a
+  bf16 one (odd heads and slots)."""
+  r = np.random.default_rng(10)
+  q_lat = jnp.asarray(r.standard_normal((1, 1, 128, 512)), jnp.bfloat16)
+  q_pe = jnp.asarray(r.standard_normal((1, 1, 128, 64)), jnp.bfloat16)
+  lat = group_quant(jnp.asarray(r.standard_normal((1, 4096, 512)), jnp.bfloat16), fmt=fmt,
+                    implementation="xla")
+  k_pe = jnp.asarray(r.standard_normal((1, 4096, 64)), jnp.bfloat16)
+  return [lambda: mla_decode(q_lat, q_pe, lat.q, lat.scale, k_pe, pos=4000, scale=0.1,
+                             implementation="triton"),
+          lambda: mla_decode(q_lat[:, :, :20], q_pe[:, :, :20], lat.dequantize()[:, :300],
+                             None, k_pe[:, :300], pos=200, scale=0.1, implementation="triton")]
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("target", AOT)
+def test_mla_decode_compiles_to_mma(monkeypatch, target):
+  pytest.importorskip("triton")
+  fmt = Fp8Format.e4m3fnuz() if target == "gfx942" else Fp8Format.e4m3fn()
+  calls = recorded_calls(monkeypatch, target, decode_ops(fmt))
+  assert len(calls) == 2
+  for call in calls:
+    asm = compile_call(target, call).asm
+    if target == "h200":
+      assert "mma" in asm["ptx"] and "bf16" in asm["ptx"]
+    else:
+      assert re.search(r"v_mfma_f32_\w+bf16", asm["amdgcn"])
+
+
 @pytest.mark.lowering
 @pytest.mark.parametrize("target", AOT)
 def test_row_kernels_compile(monkeypatch, target):
@@ -230,7 +261,7 @@ def test_kernels_lower_into_xla_triton_calls(target):
   # its TTIR parsed by jaxlib's Triton dialect, and never to jax-triton's legacy custom call.
   pytest.importorskip("triton")
   fmt = Fp8Format.e4m3fnuz() if target == "gfx942" else Fp8Format.e4m3fn()
-  for op in [*row_ops(), *matmul_ops(fmt)]:
+  for op in [*row_ops(), *matmul_ops(fmt), *decode_ops(fmt)]:
     text = lower(target, op)
     assert text.count(TRITON_CALL) == 1 and "triton_kernel_call" not in text
 

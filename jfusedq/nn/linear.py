@@ -11,7 +11,7 @@ from flax import nnx
 from jfusedq.errors import DTypeError, InputError
 from jfusedq.fp8 import Fp8Format, QuantizedActivation, resolve_format
 from jfusedq.nn.weights import quantize_weight
-from jfusedq.ops import _common
+from jfusedq.ops import _common, _dispatch
 from jfusedq.ops.fp8_matmul import fp8_matmul, grouped_fp8_matmul
 from jfusedq.ops.ragged_fp8_matmul import ragged_fp8_matmul, ragged_matmul
 
@@ -170,9 +170,11 @@ class StackedLinear(nnx.Module):
     if self.fmt is not None:
       return ragged_fp8_matmul(x, self.weight[...], self.weight_scale_inv[...], group_sizes,
                                rows=rows, out_dtype=self.dtype, ue8m0=self.ue8m0,
-                               implementation=self.implementation)
+                               implementation=_dispatch.among("ragged_fp8_matmul",
+                                                              self.implementation))
     return ragged_matmul(high_precision(x).astype(self.dtype), self.weight[...], group_sizes,
-                         rows=rows, out_dtype=self.dtype, implementation=self.implementation)
+                         rows=rows, out_dtype=self.dtype,
+                         implementation=_dispatch.among("ragged_matmul", self.implementation))
 
 
 def _leading(x: jax.Array | QuantizedActivation, fn) -> jax.Array | QuantizedActivation:

@@ -57,7 +57,7 @@ def implementations(**orders: Order | None) -> Iterator[None]:
 
   E.g. `with jfusedq.implementations(rmsnorm_quant="xla", fp8_matmul=("pallas", "xla")):`.
   Keys: "rmsnorm_quant", "rmsnorm", "group_quant", "fp8_matmul", "grouped_fp8_matmul",
-  "ragged_fp8_matmul", "ragged_matmul", "attention" (backend names) and
+  "ragged_fp8_matmul", "ragged_matmul", "attention", "mla_decode" (backend names) and
   "allreduce_rmsnorm_quant" (strategy names, for every entry of jfusedq.parallel:
   `allreduce_rmsnorm_quant`, `reduce_scatter_rmsnorm_quant`, their `_sharded` wrapper and
   `chosen_strategy`). The all-reduce strategies pass `implementation=None` on to their ops, so
@@ -86,6 +86,16 @@ def requested(op: str, implementation: Order | None) -> Order | None:
   if order is not None and op in CANDIDATES:
     _names(op, order, CANDIDATES[op], _kinds[op])
   return order
+
+
+def among(op: str, order: Order | None) -> tuple[str, ...] | None:
+  """The names of `order` that `op` declares, in order; None (its default order) when none is:
+  one setting for every op of a layer or model, whose ops have different backends."""
+  if order is None:
+    return None
+  names = tuple(n for n in ((order,) if isinstance(order, str) else order)
+                if n in CANDIDATES.get(op, ()))
+  return names or None
 
 
 def default_order(target: _target.Target | None = None,

@@ -30,9 +30,10 @@ class Options:
   tp_axis: the mesh axis of tensor parallelism (the model then runs inside `jax.shard_map`
     over it, see `tp_apply`), or None.
   ar_strategy: the all-reduce + norm + quant strategy under TP (None: the best available).
-  implementation: kernel backend of every jfusedq op the model runs (None: each op's best),
-    but the prefill attention's, whose backends are its own (`jfusedq.ops.attention`; chosen
-    with `jfusedq.implementations(attention=...)`).
+  implementation: kernel backend of every jfusedq op the model runs (None: each op's best; an
+    op without the named backends runs its own default order), but the prefill attention's,
+    whose backends are its own (`jfusedq.ops.attention`; chosen with
+    `jfusedq.implementations(attention=...)`).
   """
 
   quant: QuantConfig | None

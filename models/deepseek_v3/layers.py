@@ -64,7 +64,9 @@ from jfusedq.fp8 import BLOCK, QuantizedActivation
 from jfusedq.ops.attention import Prefix, attention
 from jfusedq.ops.fp8_matmul import activation_format
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
+from jfusedq.ops import _dispatch
 from jfusedq.ops.group_quant import group_quant
+from jfusedq.ops.mla_decode import mla_decode
 from models.common import Options, is_fp8, prepare, write_cache
 from models.common.moe import Experts, silu_mul
 from models.deepseek_v3.config import DeepseekV3Config
@@ -239,7 +241,7 @@ class MLA(nnx.Module):
       cache = KVCache(write_cache(cache.kv, codes, pos), write_cache(cache.kv_scale, scales, pos),
                       write_cache(cache.k_pe, k_pe, pos))
       if t == 1:
-        return self._absorbed(q, pos + jnp.arange(t), cache), cache
+        return self._absorbed(q, pos, cache), cache
     k, v = self._heads(kv, k_pe)
     prefix = None if cache is None else Prefix(
         lambda start, size: self._heads(*_slots(cache, start, size)), pos, cache.kv.shape[1])
@@ -264,39 +266,53 @@ class MLA(nnx.Module):
     k_pe = jnp.broadcast_to(k_pe[:, :, None].astype(kvb.dtype), (*kvb.shape[:3], k_pe.shape[-1]))
     return jnp.concatenate([kvb[..., :dn], k_pe], -1), kvb[..., dn:]
 
-  def _absorbed(self, q, qpos, cache: KVCache):
+  def _absorbed(self, q, pos, cache: KVCache):
     """Attention over the latent cache, kv_b_proj folded into the query and the output
     (DeepSeek-V2's absorption): with W = kv_b_proj's weight `[NH, Dn + Dv, Lkv]` split into
     W_uk `[NH, Dn, Lkv]` and W_uv `[NH, Dv, Lkv]`,
       q_nope . k_nope = (q_nope W_uk) . kv        o = (softmax(...) kv) W_uv^T
-    so a step reads Lkv + R values per cached token instead of NH (Dqk + Dv). The cache holds
-    kv as kv_b_proj would see it (its fp8 codes and scales when kv_b_proj is FP8), so this
-    equals the per-head formula up to where the roundings fall.
-    q `[B, T, NH, Dqk]` (rope part rotated), cache written through position qpos[-1] -> o_proj's
-    output `[B, T, H]`."""
+    so a step reads Lkv + R values per cached token instead of NH (Dqk + Dv)
+    (`jfusedq.mla_decode`, on the cache as stored: its fp8 codes and scales when kv_b_proj is
+    FP8). The absorbed products read W's FP8 codes in place, their 128 x 128 block scales
+    moved onto the small operand (`_absorb`). This equals the per-head formula up to where the
+    roundings fall.
+    q `[B, T, NH, Dqk]` (rope part rotated), cache written through position pos + T - 1 ->
+    o_proj's output `[B, T, H]`."""
     cfg = self.cfg
     b, t, nh, _ = q.shape
-    dn, lkv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
-    if is_fp8(self.kv_b_proj):
-      w = dequantize_weight(self.kv_b_proj.weight[...], self.kv_b_proj.weight_scale_inv[...])
-    else:
-      w = self.kv_b_proj.weight[...].astype(jnp.float32)
-    # In f32 throughout: these einsums are small beside the projections (Lkv = 512 wide, one
-    # query token at decode), the dequantised weight stays exact, and XLA:CPU has no batched
-    # bf16 x bf16 -> f32 dot to fall back on.
+    dn = cfg.qk_nope_head_dim
+    codes, scales = self._absorb()
+    g = codes.shape[2]
     f32 = lambda a: a.astype(jnp.float32)
-    lat = (f32(cache.kv) if cache.kv_scale is None  # [B, S, Lkv]
-           else QuantizedActivation(cache.kv, cache.kv_scale).dequantize())
-    w = w.reshape(nh, -1, lkv)  # this device's heads
-    q_lat = jnp.einsum("bthd,hdc->bthc", f32(q[..., :dn]), w[:, :dn])
-    scores = (jnp.einsum("bthc,bsc->bhts", q_lat, lat)
-              + jnp.einsum("bthr,bsr->bhts", f32(q[..., dn:]), f32(cache.k_pe))) * self.scale
-    # Causal: slot j is visible to query i iff j <= pos + i; unwritten slots lie beyond.
-    kpos = jnp.arange(cache.kv.shape[1])
-    scores = jnp.where(kpos[None, :] <= qpos[:, None], scores, -jnp.inf)
-    p = jax.nn.softmax(scores, axis=-1)
-    o = jnp.einsum("bthc,hdc->bthd", jnp.einsum("bhts,bsc->bthc", p, lat), w[:, dn:])
+    dot = lambda eq, x, y: jnp.einsum(eq, x, y, precision=lax.Precision.HIGHEST)
+    # q_lat[c in group j] = sum_d (q[d] s[d, j]) codes[d, c]: the scale varies along d only.
+    qs = f32(q[..., :dn])[..., None] * scales[:, :dn]  # [B, T, NH, Dn, G]
+    q_lat = dot("bthdg,hdgc->bthgc", qs, f32(codes[:, :dn])).reshape(b, t, nh, -1)
+    o_lat = mla_decode(q_lat, q[..., dn:], cache.kv, cache.kv_scale, cache.k_pe, pos=pos,
+                       scale=self.scale,
+                       implementation=_dispatch.among("mla_decode", self.implementation))
+    # o[e] = sum_j s[e, j] (o_lat[group j] . codes[e, group j]): one scale per (row, group).
+    part = dot("bthgc,hegc->btheg", o_lat.reshape(b, t, nh, g, -1), f32(codes[:, dn:]))
+    o = jnp.sum(part * scales[:, dn:], axis=-1)  # [B, T, NH, Dv]
     return self.o_proj(o.reshape(b, t, -1).astype(self.dtype))
+
+  def _absorb(self) -> tuple[jax.Array, jax.Array]:
+    """kv_b_proj's weight as (codes `[NH, Dn + Dv, G, Lkv / G]`, scales `[NH, Dn + Dv, G]`
+    f32): W[h, d, c] = codes[h, d, j, c'] scales[h, d, j] for c = j Lkv / G + c'. An FP8 weight
+    gives its codes with each row's 128 x 128 block scales (G = Lkv / 128); a high-precision one,
+    or an FP8 one whose Lkv is not a multiple of 128 (dequantised), one group of scale 1."""
+    cfg = self.cfg
+    w, lkv = self.kv_b_proj, cfg.kv_lora_rank
+    rows = cfg.qk_nope_head_dim + cfg.v_head_dim
+    if is_fp8(w) and lkv % BLOCK == 0:
+      codes = w.weight[...]
+      scales = jnp.repeat(w.weight_scale_inv[...], BLOCK, axis=0)[:codes.shape[0]]
+      return (codes.reshape(-1, rows, lkv // BLOCK, BLOCK),
+              scales.reshape(-1, rows, lkv // BLOCK))
+    full = (dequantize_weight(w.weight[...], w.weight_scale_inv[...]) if is_fp8(w)
+            else w.weight[...].astype(jnp.float32))
+    return full.reshape(-1, rows, 1, lkv), jnp.ones((full.shape[0] // rows, rows, 1),
+                                                    jnp.float32)
 
 
 def _slots(cache: KVCache, start: jax.Array, size: int):

@@ -1,0 +1,156 @@
+"""Triton kernel for MLA decode: split-K flash decoding over the latent cache as stored.
+
+Grid (head blocks, splits, B x T), head blocks fastest, so the programs that read one split's
+cache blocks run together and share them in L2. A program holds BLOCK_H query heads of one
+token and walks its split's slots up to the token's position, BLOCK_S at a time:
+  s    = (sum_g (q_lat_g . codes_g^T) scale_g + q_pe . k_pe^T) * scale   [BLOCK_H, BLOCK_S] f32
+         (g: the 1 x 128 groups; the codes are exact in bf16, each group's dot scaled in f32)
+  kv   = codes x scale, rounded once to bf16                               [BLOCK_S, L]
+  online softmax over the blocks; acc += p (bf16) . kv                     [BLOCK_H, L] f32
+and writes its split's normalised output and log-sum-exp; XLA merges the splits. The codes are
+read once per head block (from L2 after the first); a scale that varies along the contraction
+over slots (p . kv) cannot be applied after the dot, so that product takes the dequantised
+latent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jfusedq import _target, _triton
+from jfusedq._triton import tl
+from jfusedq.fp8 import BLOCK
+from jfusedq.ops import _common
+
+MIN_DOT = 16  # tl.dot's smallest M, N and K
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """block_h query heads and block_s slots per step; splits of the slots (a grid axis)."""
+
+  block_h: int = 16
+  block_s: int = 32
+  splits: int = 1
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for f in ("block_h", "block_s"):
+      v = getattr(self, f)
+      if v < MIN_DOT or v & (v - 1):
+        raise ValueError(f"Config.{f} must be a power of two >= {MIN_DOT}, got {v}")
+    if self.splits < 1:
+      raise ValueError(f"Config.splits must be >= 1, got {self.splits}")
+
+
+def heuristics(tokens: int, heads: int, slots: int, device_kind: str | None = None) -> Config:
+  """16 heads a program (the MMA's smallest M: a decode token has few heads per device) and
+  32 slots a step (a [32, 512] bf16 block beside the [16, 512] f32 accumulator in 4 warps'
+  registers); the slots split until about two programs an SM, at least 256 slots a split."""
+  sms = _target.sm_count(device_kind)
+  programs = tokens * -(-heads // 16)
+  splits = max(1, min(-(-2 * sms // programs), -(-slots // 256)))
+  return Config(splits=splits)
+
+
+@_triton.jit
+def mla_decode_kernel(ql_ptr, qp_ptr, kv_ptr, ks_ptr, kp_ptr, pos_ptr, o_ptr, lse_ptr,
+                      T: tl.constexpr, NH: tl.constexpr, S: tl.constexpr, L: tl.constexpr,
+                      R: tl.constexpr, LP: tl.constexpr, RP: tl.constexpr,
+                      SCALE: tl.constexpr, SPLIT: tl.constexpr, SPLITS: tl.constexpr,
+                      SCALED: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                      BLOCK_S: tl.constexpr):
+  G: tl.constexpr = (L + GROUP - 1) // GROUP
+  pid_h, pid_s, pid_bt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+  b = pid_bt // T
+  last = tl.load(pos_ptr) + pid_bt % T  # the token's position: slots 0 .. last are visible
+  start = pid_s * SPLIT
+  end = tl.minimum(tl.minimum(start + SPLIT, last + 1), S)
+
+  rh = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+  rl = tl.arange(0, LP)
+  rr = tl.arange(0, RP)
+  h_ok, l_ok, r_ok = rh < NH, rl < L, rr < R
+  q_row = (pid_bt * NH + rh).to(tl.int64)
+  q_lat = tl.load(ql_ptr + q_row[:, None] * L + rl[None, :],
+                  mask=h_ok[:, None] & l_ok[None, :], other=0.0).to(tl.bfloat16)
+  q_pe = tl.load(qp_ptr + q_row[:, None] * R + rr[None, :],
+                 mask=h_ok[:, None] & r_ok[None, :], other=0.0).to(tl.bfloat16)
+
+  m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+  den = tl.zeros([BLOCK_H], tl.float32)
+  acc = tl.zeros([BLOCK_H, LP], tl.float32)
+  for s0 in range(start, end, BLOCK_S):
+    rs = s0 + tl.arange(0, BLOCK_S)
+    s_ok = rs < end
+    slot = (b * S + rs).to(tl.int64)
+    ok = s_ok[:, None] & l_ok[None, :]
+    kv = tl.load(kv_ptr + slot[:, None] * L + rl[None, :], mask=ok, other=0.0)
+    if SCALED:
+      sc = tl.load(ks_ptr + slot[:, None] * G + (rl // GROUP)[None, :], mask=ok, other=0.0)
+      kv = (kv.to(tl.float32) * sc).to(tl.bfloat16)
+    else:
+      kv = kv.to(tl.bfloat16)
+    kp = tl.load(kp_ptr + slot[:, None] * R + rr[None, :], mask=s_ok[:, None] & r_ok[None, :],
+                 other=0.0).to(tl.bfloat16)
+    s = tl.dot(q_pe, tl.trans(kp))
+    if SCALED:
+      # Scores from the exact codes, each 128-group's dot scaled in f32: the latent's bf16
+      # rounding would move a score by 2**-9 of its size, 1% of the output at peaked softmax.
+      for g in tl.static_range(G):
+        rg = g * GROUP + tl.arange(0, GROUP)
+        g_ok = rg < L
+        codes = tl.load(kv_ptr + slot[:, None] * L + rg[None, :],
+                        mask=s_ok[:, None] & g_ok[None, :], other=0.0).to(tl.bfloat16)
+        q_g = tl.load(ql_ptr + q_row[:, None] * L + rg[None, :],
+                      mask=h_ok[:, None] & g_ok[None, :], other=0.0).to(tl.bfloat16)
+        sc_g = tl.load(ks_ptr + slot * G + g, mask=s_ok, other=0.0)
+        s += tl.dot(q_g, tl.trans(codes)) * sc_g[None, :]
+    else:
+      s += tl.dot(q_lat, tl.trans(kv))
+    s = tl.where(s_ok[None, :], s * SCALE, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    den = den * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), kv)
+    m = m_new
+  # A split past the token's position ran no step: den 0, lse -inf, output 0 (weight 0).
+  seen = den > 0
+  o = acc / tl.where(seen, den, 1.0)[:, None]
+  lse = tl.where(seen, m + tl.log(tl.where(seen, den, 1.0)), float("-inf"))
+  o_row = ((pid_bt * SPLITS + pid_s) * NH + rh).to(tl.int64)
+  tl.store(o_ptr + o_row[:, None] * L + rl[None, :], o, mask=h_ok[:, None] & l_ok[None, :])
+  tl.store(lse_ptr + o_row, lse, mask=h_ok)
+
+
+def mla_decode(q_lat, q_pe, kv, kv_scale, k_pe, pos, scale: float, config: Config) -> jax.Array:
+  """The api's call on the kernel: per-split outputs, merged by their log-sum-exp."""
+  _triton.require()
+  b, t, nh, l = q_lat.shape
+  slots, r = kv.shape[1], q_pe.shape[-1]
+  bs, splits = config.block_s, min(config.splits, -(-slots // config.block_s))
+  split = -(-slots // splits // bs) * bs
+  splits = -(-slots // split)
+  stand_in = jnp.zeros((1,), jnp.float32)  # no scales (a bf16 cache): never read
+  o, lse = _triton.call(
+      mla_decode_kernel, q_lat, q_pe, kv, stand_in if kv_scale is None else kv_scale, k_pe,
+      jnp.reshape(jnp.asarray(pos, jnp.int32), (1,)),
+      out_shape=[jax.ShapeDtypeStruct((b * t, splits, nh, l), jnp.float32),
+                 jax.ShapeDtypeStruct((b * t, splits, nh), jnp.float32)],
+      grid=(-(-nh // config.block_h), splits, b * t), num_warps=config.num_warps,
+      num_stages=config.num_stages, T=t, NH=nh, S=slots, L=l, R=r,
+      LP=max(MIN_DOT, _common.pow2_ceil(l)), RP=max(MIN_DOT, _common.pow2_ceil(r)),
+      SCALE=float(scale), SPLIT=split, SPLITS=splits, SCALED=kv_scale is not None, GROUP=BLOCK,
+      BLOCK_H=config.block_h, BLOCK_S=bs)
+  if splits > 1:
+    top = jnp.max(lse, axis=1, keepdims=True)  # split 0 holds slot 0: finite
+    w = jnp.exp(lse - top)
+    o = jnp.sum(o * w[..., None], axis=1) / jnp.sum(w, axis=1)[..., None]
+  else:
+    o = o[:, 0]
+  return o.reshape(b, t, nh, l)
