@@ -171,6 +171,13 @@ SPECS = {
                  ("vs XLA", lambda r, by: ratio(by.get("xla"), r))),
         headline=({"model": "deepseek-v3", "proj": "up", "T": 1, "routing": "uniform"},
                   {"model": "deepseek-v3", "proj": "up", "T": 4096, "routing": "uniform"})),
+    "mla_decode": Spec(
+        "MLA decode over the latent cache at DeepSeek-V3's widths (`jf.mla_decode`)",
+        summary=(("GB/s", lambda r, by: num(r["tbps"] * 1000, 0)),
+                 ("of roofline", field("roofline_frac")),
+                 ("vs XLA", lambda r, by: ratio(by.get("xla"), r))),
+        default_impl="triton",
+        headline=({"cache": "fp8", "heads": 128, "batch": 1, "context": 32768},)),
     "decode": Spec(
         "Decode step of the model presets (`models`), bf16 and FP8 on one set of weights",
         cell=decode_cell, cell_unit="kernel / steady", default_impl="fused",

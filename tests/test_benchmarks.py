@@ -17,6 +17,7 @@ SMOKE = {
     "allreduce_fusion": [],  # over the 8 simulated CPU devices (conftest's XLA_FLAGS)
     "decode": ["--batches", "1"],
     "fp8_matmul": [],
+    "mla_decode": [],
     "moe_gemm": [],
     "prefill": [],  # the tiny presets, prompts of 20 and 37 tokens in chunks of 16
     "rmsnorm_quant": [],
