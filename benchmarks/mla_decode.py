@@ -114,7 +114,7 @@ def main():
             t = _harness.measure(op, make, args.calls, chain=args.smoke)
             sec = t["kernel_s"] or t["chain_s"]
             rows.append(dict(
-                case=case, impl=impl, config=None if cfg is None else str(cfg),
+                case=case, impl=impl, config=impl if cfg is None else str(cfg),
                 heuristic=name == "heuristic", time_us=round(sec * 1e6, 3),
                 tbps=round(nbytes / sec / 1e12, 3), tflops=round(flops / sec / 1e12, 1),
                 roofline_frac=round(max(nbytes / (bw * 1e12), flops / (peak * 1e12)) / sec, 3),

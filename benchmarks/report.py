@@ -178,6 +178,9 @@ SPECS = {
                  ("vs XLA", lambda r, by: ratio(by.get("xla"), r))),
         default_impl="triton",
         headline=({"cache": "fp8", "heads": 128, "batch": 1, "context": 32768},)),
+    "mla_decode_sweep": Spec(
+        "MLA decode kernel configs around the heuristic's pick, and the XLA path (`mla_decode.py "
+        "--sweep`)", by_config=True),
     "decode": Spec(
         "Decode step of the model presets (`models`), bf16 and FP8 on one set of weights",
         cell=decode_cell, cell_unit="kernel / steady", default_impl="fused",
@@ -219,6 +222,10 @@ SPECS = {
                   f"{r['vs_unfused']:+.4f} +- {r['vs_unfused_se']:.4f}")),
         grid=accuracy_grid),
 }
+# Qwen3.5-397B's expert shapes, a run of its own (an H100: the H200 was not to be had).
+SPECS["moe_gemm_qwen_h100"] = dataclasses.replace(
+    SPECS["moe_gemm"], title="MoE expert GEMMs at Qwen3.5-397B's 512 experts, on an H100",
+    headline=())
 ORDER = list(SPECS)
 
 

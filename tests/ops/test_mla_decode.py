@@ -1,7 +1,7 @@
 """mla_decode: every implementation against the f32 reference over odd shapes (heads not a
 multiple of the kernel's 16, slots not a multiple of its 32, a partial 128-group, T > 1),
 positions (the first slot only, the last slot, a split past the position), FP8 and bf16
-caches, the slot splits, determinism; errors."""
+caches, the slot splits, determinism; the GPU's default order; errors."""
 
 import jax
 import jax.numpy as jnp
@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from helpers import TRITON, activations, rng
-from jfusedq import group_quant, mla_decode
+from jfusedq import _target, _triton, group_quant, mla_decode
 from jfusedq.errors import DTypeError, InputError
 from jfusedq.ops.mla_decode import reference
+from jfusedq.ops.mla_decode.api import KERNEL_SLOTS
 from jfusedq.ops.mla_decode.triton import Config
 from jfusedq.testing import rel_rms
 
@@ -97,3 +98,22 @@ def test_errors():
     mla_decode(q_lat, q_pe, kv, ks, k_pe, pos=8, scale=0.1)
   with pytest.raises(InputError, match="unknown"):
     mla_decode(q_lat, q_pe, kv, ks, k_pe, pos=0, scale=0.1, implementation="cudnn")
+
+
+@pytest.mark.parametrize("slots", [KERNEL_SLOTS - 1, KERNEL_SLOTS])
+def test_gpu_default_order_follows_the_cache_length(monkeypatch, slots):
+  # On a GPU the kernel comes first from KERNEL_SLOTS slots on (its cost grows with the
+  # position, the XLA path's with the slots), XLA first below.
+  launched = []
+
+  class Recorder:
+    @staticmethod
+    def triton_call(*args, kernel, out_shape, grid, **kwargs):
+      launched.append(kernel.__name__)
+      return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
+
+  monkeypatch.setattr(_target, "current", lambda: _target.Target("cuda", "NVIDIA H200"))
+  monkeypatch.setattr(_triton, "require", lambda target=None: Recorder)
+  args = problem(("o", slots), 1, 1, 16, 128, 16, slots)
+  mla_decode(*args, pos=slots - 1, scale=0.1)
+  assert launched == (["mla_decode_kernel"] if slots >= KERNEL_SLOTS else [])

@@ -30,9 +30,10 @@ MIN_DOT = 16  # tl.dot's smallest M, N and K
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """block_h query heads and block_s slots per step; splits of the slots (a grid axis)."""
+  """block_h query heads a program and block_s slots a step; splits of the slots (a grid
+  axis)."""
 
-  block_h: int = 16
+  block_h: int = 32
   block_s: int = 32
   splits: int = 1
   num_warps: int = 4
@@ -48,13 +49,14 @@ class Config:
 
 
 def heuristics(tokens: int, heads: int, slots: int, device_kind: str | None = None) -> Config:
-  """16 heads a program (the MMA's smallest M: a decode token has few heads per device) and
-  32 slots a step (a [32, 512] bf16 block beside the [16, 512] f32 accumulator in 4 warps'
-  registers); the slots split until about two programs an SM, at least 256 slots a split."""
+  """32 heads a program and 32 slots a step in 4 warps, the slots split until about two
+  programs an SM, at least 128 slots a split: the fastest of the sweep on an H100 at 128
+  heads, 256 and 32768 slots (benchmarks/README.md), where 16 heads a program in half the
+  splits took 1.35x as long at 32768 slots, and 8 warps 1.7-3x."""
   sms = _target.sm_count(device_kind)
-  programs = tokens * -(-heads // 16)
-  splits = max(1, min(-(-2 * sms // programs), -(-slots // 256)))
-  return Config(splits=splits)
+  programs = tokens * -(-heads // 32)
+  splits = max(1, min(-(-2 * sms // programs), -(-slots // 128)))
+  return Config(block_h=32, splits=splits)
 
 
 @_triton.jit
