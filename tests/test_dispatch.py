@@ -107,3 +107,12 @@ def test_fp8_matmul_override_reaches_its_quantisation(monkeypatch):
   with implementations(fp8_matmul="xla"):
     api.fp8_matmul(jnp.ones((2, 256), jnp.bfloat16), w, s)
   assert calls == [("group_quant", ("xla",)), ("fp8_matmul", "xla")]
+
+
+def test_among_keeps_the_names_an_op_declares():
+  # A model's one implementation setting reaches each op as the names that op has, so a
+  # setting naming Pallas runs the ragged products (no Pallas kernel) in their own order.
+  assert _dispatch.among("ragged_fp8_matmul", ("pallas", "xla")) == ("xla",)
+  assert _dispatch.among("ragged_fp8_matmul", "pallas") is None
+  assert _dispatch.among("fp8_matmul", ("pallas", "xla")) == ("pallas", "xla")
+  assert _dispatch.among("mla_decode", None) is None
