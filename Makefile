@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-latest clean hf-reference
+.PHONY: run test test-latest clean hf-reference gpu-wheels
 
 $(STAMP): pyproject.toml
 	@py=$$(.ci/find-python) || exit 1; echo "using $$py"; rm -rf $(VENV); "$$py" -m venv $(VENV)
@@ -57,3 +57,13 @@ hf-reference: $(HF_REF)/meta.json $(HF_REF)_qwen3_5/meta.json
 
 clean:
 	rm -rf $(VENV) .venv-latest
+
+# The packages the models need that the GPU machine lacks (flax and what `from flax import nnx`
+# imports), as x86-64 CPython 3.12 wheels at .venv's versions, for `benchmarks/gpu_run.sh` to
+# install there: carry .whl with the device call.
+GPU_WHEELS := flax msgpack optax treescope PyYAML rich Pygments markdown-it-py mdurl etils absl-py
+gpu-wheels: $(STAMP)
+	rm -rf .whl; $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl \
+	  $$($(PY) -m pip list --format=freeze 2>/dev/null | grep -iE "^($$(echo $(GPU_WHEELS) | tr ' ' '|'))==")

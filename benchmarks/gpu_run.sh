@@ -6,11 +6,18 @@
 # (meshes of simulated CPU devices), tests/models (they read the HF reference under build/,
 # too big to carry). TESTS=0 skips the tests; TEST_TIMEOUT and BENCH_TIMEOUT (each benchmark)
 # bound the parts.
+# The model benchmarks (decode, prefill) need flax: `make gpu-wheels` here, and carry .whl.
 # Usage on the device: bash benchmarks/gpu_run.sh <commit-sha> [name[:flags] ...]
 # Then, here: copy $OUT/<benchmark>.json over benchmarks/results/ and run benchmarks/report.py.
 set -uo pipefail
 commit=${1:?commit sha of the code being measured}; shift
 export PYTHONUNBUFFERED=1
+# The models' packages the machine lacks, carried as wheels (`make gpu-wheels`).
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 out=${OUT:-out}; mkdir -p "$out"
 # WORKERS (default 8) share GPU 0: cap each one's memory pool instead of preallocating 75%.
 # -v prints each result as it lands, so a run cut off by the timeout still names its failures.
