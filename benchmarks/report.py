@@ -164,6 +164,10 @@ SPECS = {
     "fp8_matmul_sweep_mosaic_gpu": Spec(
         "Mosaic GPU GEMM configs around the heuristic's pick (`fp8_matmul.py --sweep "
         "--sweep-impl mosaic_gpu`)", by_config=True),
+    "fp8_matmul_sweep_mosaic_gpu_pingpong": Spec(
+        "Mosaic GPU GEMM: the heuristic's pick against the same config with `pingpong=True` "
+        "(`fp8_matmul.py --sweep --sweep-impl mosaic_gpu --sweep-vary pingpong --tag pingpong`)",
+        by_config=True),
     "moe_gemm": Spec(
         "MoE expert GEMMs at the released models' expert counts (`jf.ragged_fp8_matmul`)",
         summary=(("routed TFLOP/s", field("tflops", 1)), ("of roofline", field("roofline_frac")),

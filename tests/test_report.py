@@ -21,7 +21,9 @@ def test_pages_are_current():
 
 # Results of a script's mode, named after the script and the mode.
 MODES = {"fp8_matmul_prefill": "fp8_matmul",  # fp8_matmul.py --prefill
-         "fp8_matmul_sweep_mosaic_gpu": "fp8_matmul"}  # --sweep --sweep-impl mosaic_gpu
+         "fp8_matmul_sweep_mosaic_gpu": "fp8_matmul",  # --sweep --sweep-impl mosaic_gpu
+         # --sweep --sweep-impl mosaic_gpu --sweep-vary pingpong --tag pingpong
+         "fp8_matmul_sweep_mosaic_gpu_pingpong": "fp8_matmul"}
 
 
 def test_one_file_per_benchmark():

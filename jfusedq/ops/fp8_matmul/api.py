@@ -21,27 +21,24 @@ IMPLEMENTATIONS = ("pallas", "triton", "mosaic_gpu", "xla")
 declare("fp8_matmul", IMPLEMENTATIONS)
 declare("grouped_fp8_matmul", IMPLEMENTATIONS)
 
-# Triton first (_dispatch.GPU_ORDER): on the H200 it ran 0.99-1.06x the Pallas kernel's speed at
-# M <= 16, 1.15-1.72x at M = 64 and 2.0-2.3x at M = 4096 (the Pallas-Triton lowering feeds fp8
-# to f16 mma.sync instead of fp8 wgmma); without `triton` installed it declines and Pallas runs.
+# Triton first (_dispatch.GPU_ORDER): the Pallas-Triton lowering feeds fp8 to f16 mma.sync
+# instead of fp8 wgmma, and Triton ran 2.0-2.3x the Pallas kernel's speed at M = 4096 on the H200;
+# without `triton` installed it declines and Pallas runs.
 # The warp-specialised Mosaic GPU kernel (Hopper) goes first from M = 256 where it has at least
-# MOSAIC_MIN_TILES tiles: over the seven projection and expert shapes at M = 256, 1024 and 4096
-# it ran 1.01-1.80x Triton's speed (one run, benchmarks/README.md), 1.20x with the fewest tiles
-# measured (64 of 128 x 64 at (N, K) = (2048, 7168), M = 256). Fewer tiles are unmeasured.
-# Off Hopper it declines and the order goes on.
+# MOSAIC_MIN_TILES tiles, the fewest measured (1.20x Triton's speed there; fewer tiles are
+# unmeasured; every cell: benchmarks/README.md). Off Hopper it declines and the order goes on.
 MOSAIC_MIN_M, MOSAIC_MIN_TILES = 256, 64
-# Grouped (MoE) products: Triton first as well; the Pallas grouped kernel ran 0-6% behind it
-# at <= 16 rows a product, 11% at 32.
+# Grouped (MoE) products: Triton first as well (the Pallas grouped kernel ran up to 11% behind
+# it, benchmarks/README.md).
 
 
 def scale_layout(m: int) -> str:
   """The activation-scale layout the projection of an `[M, K]` activation reads as stored.
 
   "col" (`[KB, M]`) from MOSAIC_MIN_M rows: the Mosaic GPU kernel's TMA box takes a K block's
-  scales for consecutive rows, and row-layout scales cost an XLA transpose before it (H200, the
-  seven projection and expert shapes: the GEMM with it took 1.02-1.13x the time at M = 256,
-  1.01-1.07x at 1024, 1.00-1.02x at 4096). "row" below: the Triton decode kernels load a row's
-  scales one K block ahead, and column-layout ones ran 1.06-1.15x the time at M = 64.
+  scales for consecutive rows, and row-layout scales cost an XLA transpose before it (up to
+  1.13x the GEMM's time at M = 256 on the H200). "row" below: the Triton decode kernels load a
+  row's scales one K block ahead, and column-layout ones ran 1.06-1.15x the time at M = 64.
   Producers (`RMSNorm`, the quantisation of a bf16 input) write this layout."""
   return "col" if m >= MOSAIC_MIN_M else "row"
 

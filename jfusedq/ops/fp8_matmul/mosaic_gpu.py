@@ -13,73 +13,37 @@ compute warpgroups own 64 rows each of the 128 x block_n tile. Per K block, each
      scale of the weight block the wgmma group's columns lie in), one FMA per value; a group
      whose columns cross a weight block's edge (a 192-wide tile in one or two groups) takes a
      per-column scale, d * s_a[:, None] * s_w[None, :]. The memory warpgroup copies the two
-     weight-block scales a tile can touch, per K block, in one 128-byte TMA box (SW_BOX).
+     weight-block scales a tile can touch, per K block, in one 128-byte TMA box (SW_BOX). The
+     scalar scales are for speed: a per-column scale vector everywhere (two multiplies and an
+     add per value) took 1031.8 against 890.3 us at (N, K) = (7168, 16384), M = 4096 (H200).
 Scaling per block keeps the accumulation in f32 (Hopper's fp8 MMA accumulates with reduced
-precision inside one instruction chain). The two compute warpgroups are left to drift apart,
-so that one's rescale can overlap the other's wgmma (not measured; `Config.pingpong` orders
-them), and the memory warpgroup keeps the copies ahead of both (a single-warpgroup version,
-waiting for each wgmma with the tensor cores idle, ran at 0.48-0.85x XLA's bf16 dot at
-M = 4096). The epilogue goes registers -> shared -> TMA store, which clips the columns past N.
+precision inside one instruction chain). The memory warpgroup keeps the copies ahead of both
+compute warpgroups (a single-warpgroup version, waiting for each wgmma with the tensor cores
+idle, ran at 0.48-0.85x XLA's bf16 dot at M = 4096). The two compute warpgroups are left to
+drift apart, so that one's rescale can overlap the other's wgmma: `Config.pingpong`, which makes
+them take turns instead, ran slower at every shape measured (1.23-1.38x the time on an H100).
+The epilogue goes registers -> shared -> TMA store, which clips the columns past N.
 
 Shapes: K a multiple of 128, N of 64; M padded to a multiple of 8 by XLA (a copy of the
 activation and the output) only where it is not one.
 
 Schedules (`Config`): per-tile CTAs, or `persistent`: one CTA per SM loops over its tiles (in
 bands of `band` row tiles, M fastest within a band: `tile_order`), each a pipeline over K, the
-pipeline's buffers allocated once so the memory warpgroup runs ahead into the next tile (the
-store stays out of the step: moving it in cost 1-25% more than the refills saved).
+pipeline's buffers allocated once so the memory warpgroup runs ahead into the next tile (at
+M = 1024 1.02-1.16x faster than per tile over the five shapes with K > 2048; the store stays
+out of the step: moving it in cost 1-25% more than the refills saved).
 `chunks = 2` issues the tile's columns as two wgmma groups and rescales the first while the
-second runs. `pingpong` makes the compute warpgroups take turns at issuing: the same bits,
-not yet timed on a GPU, so no heuristic picks it (the benchmark's sweep includes it).
+second runs; the best count depends on the schedule (a persistent 192-wide tile ran 363.7 us in
+two against 378.4 in three at (12288, 4096), M = 4096, a per-tile one fastest in three).
+`pingpong` makes the compute warpgroups take turns at issuing: the same bits as
+the unordered schedule (tested bit-exact, without a hang, on an H100) but slower at every shape
+measured (above), so no heuristic picks it; it stays an option of the benchmark's sweep.
 `splits` (per-tile only) gives each tile that many CTAs, each a part of K, storing float32
-partials that XLA sums: for a grid of tiles that leaves SMs idle.
+partials that XLA sums: for a grid of tiles that leaves SMs idle (17.7 against 22.4 us unsplit
+at (2112, 7168), M = 256).
 
-H200, profiler kernel time of the whole call, fresh weights per call, pairs from one run:
-- the weight-block scales as scalars (one FMA per value where a chunk lies in one block)
-  against a per-column scale vector (two multiplies and an add per value): 121.7 against 140.3
-  us at (N, K) = (2112, 7168), M = 4096; 363.7 against 418.9 at (12288, 4096); 890.3 against
-  1031.8 at (7168, 16384); 69.7 against 94.9 at (7168, 16384), M = 256;
-- chunks: persistent 192-wide tiles run fastest in two (363.7 us at (12288, 4096), M = 4096,
-  against 378.4 in three of 64, which read the activation block from shared memory three
-  times); per-tile ones in three (31.5 against 34.9 us for one group at M = 256); 128-wide
-  tiles in one (890.3 against 946.2 us for 192 in three at (7168, 16384));
-- the persistent schedule: 1029.7 against 1228.0 us per-tile at (7168, 16384), M = 4096
-  (measured with the per-column scales); at M = 1024, 1.02-1.16x faster over the five shapes
-  with K > 2048 (223.9 against 248.6 us at (7168, 16384), 97.2 against 112.8 at (12288, 4096)),
-  at M = 256 1.01-1.08x where K is not split;
-- the scales loaded from global memory by the compute warpgroups (no TMA, no XLA ops to lay
-  them out first) ran 0.93-1.29x the time (435.9 against 367.7 us at (12288, 4096),
-  M = 4096): their latency lands on the rescale;
-- a 2-CTA cluster multicasting the weight block to both CTAs measured within 1% of the same
-  schedule without it (the L2 is not what bounds the kernel);
-- K in two parts where 2 x 33 tiles leave half the SMs idle: 17.7 against 22.4 us at
-  (2112, 7168), M = 256 (heuristics);
-- each K block's rescale deferred to the next step, to run beside that block's wgmma (a third
-  accumulator, so 128 columns at most): 910.8 against 833.2 us at (7168, 16384), M = 4096
-  (persistent, 4 stages), 296.9 against 247.6 at M = 1024 (per tile);
-- each chunk's wgmma for the next K block issued as soon as the chunk's rescale had read its
-  product (the blocks released one step late, the products' accumulators carried across the
-  loop and zeroed before each issue): the same bits at 1.4-4.9x the time (1218.9 against 784.5
-  us at (7168, 16384), M = 4096, in two chunks of 64; 1808.2 against 370.4 at (12288, 4096));
-- at (7168, 16384), M = 4096, the other 24 configs of a sweep all ran slower than the
-  heuristic's pick (836.8 us): 3 stages 859.5, 5 stages 868.5, per tile 903.8, two chunks
-  930.3, K in two parts 1087.6, 64 columns 1213.9 or more.
-- 128 x 256 tiles (chunks one after another): 910.1 us at best against 824.4 at (7168, 16384),
-  266.2 against 240.5 at (4096, 8192), M = 4096 (the tensor cores idle during each chunk's
-  rescale);
-- the persistent tiles in bands of 16 row tiles against M fastest over all rows (each wave then
-  re-reads the whole activation from DRAM): 3190.9 against 3878.6 us at (7168, 16384),
-  M = 16384, 913.4 against 1148.3 at (4096, 8192); at M = 4096, 795.4 against 813.9 and 230.8
-  against 238.4. Bands of 4 and 8 ran within 2% of 16 (786.4 at best), 32 2-4% slower.
-Under Nsight Compute at (7168, 16384), M = 4096 the tensor pipe is busy 69.7% of the cycles
-against 80.9% for cuBLAS's kernel (128 x 128 tiles, 6 stages, 2-CTA clusters), which issues
-248 M instructions to this kernel's 317 M (117 M of them the rescale's FMAs; ptxas already
-turns the fresh accumulator's zeros into the first wgmma's accumulate-off flag) and keeps the
-L2 61% busy to this kernel's 75%; neither spills (168 registers a thread each). The compute
-warpgroups' largest stall is the wait for their own wgmma.
-At M = 4096 and 16384 it runs 0.85-0.90x cuBLAS's blockwise FP8 GEMM timed in the same run
-over the seven projection and expert shapes, at M = 1024 0.82-1.10x; at M = 256 1.49-1.53x
-where K is split, 0.80-1.07x elsewhere (benchmarks/README.md).
+The measurements behind these choices, the configs tried and not kept, and where the time goes
+against cuBLAS: benchmarks/README.md, "Mosaic GPU GEMM".
 """
 
 from __future__ import annotations
@@ -130,7 +94,8 @@ class Config:
   # group's wgmma is still on the tensor cores.
   chunks: int = 1
   # Persistent only: the tiles in bands of this many row tiles, M fastest within a band (16: a
-  # wave of 132 tiles spans about 16 x 8 of them; the other widths measured: module docstring).
+  # wave of 132 tiles spans about 16 x 8 of them; the other widths measured:
+  # benchmarks/README.md).
   band: int = 16
   # K in this many equal parts, one CTA each (per-tile schedule only): float32 partial
   # products that XLA sums, for a grid of tiles too small to fill the SMs.
@@ -139,6 +104,7 @@ class Config:
   # through a barrier of theirs, so that one's rescale runs while the other's product is on the
   # tensor cores (left to drift, both can wait on the same stage and issue together). Needs 2
   # stages or more: with one, a warpgroup waiting for its turn holds the stage the other needs.
+  # Slower than drifting at every shape measured (module docstring): a sweep option only.
   pingpong: bool = False
 
   def __post_init__(self):
@@ -176,17 +142,12 @@ def heuristics(m: int, n: int, k: int, out_dtype=jnp.bfloat16) -> Config:
   """The widest tile dividing N (fewer weight tiles re-read per activation tile) whose tiles
   cover half the SMs, else the narrowest; 4 stages; K in two parts where the tiles number at
   most half the SMs and K is over SPLIT_MIN_K, else persistent; a 192-wide tile in two chunks
-  when persistent, else in three (module docstring); 3 stages where 4 do not fit the shared
-  memory beside the output staging (a float32 output at 192).
+  when persistent, else in three; 3 stages where 4 do not fit the shared memory beside the
+  output staging (a float32 output at 192).
 
-  From the H200 sweeps: at M = 4096 192 columns ran fastest wherever N allows; at M = 256,
-  where 2 row tiles leave few column tiles, 64 columns took 24.8 us against 47.0 for 192 at
-  (N, K) = (2112, 7168) (66 tiles against 22) and 29.5 against 42.0 for 128 at (4096, 8192)
-  (128 against 64); K in two parts, at M = 256: 17.7 against 22.4 us at (2112, 7168) (66 tiles;
-  20.7 in four parts), 17.6 against 22.3 at (2048, 7168), 83.8 against 71.3 at (7168, 16384)
-  (112 tiles), 35.4 against 26.6 at (4096, 8192) (128 tiles); persistent against per tile
-  where K is not split, at M = 256: 28.4 against 30.7 us at (12288, 4096), 25.7 against 26.8 at
-  (4096, 8192), 63.3 against 63.7 at (7168, 16384); at M = 1024 1.02-1.16x faster.
+  Set from the H200 sweeps (benchmarks/README.md, "Mosaic GPU GEMM"): half the SMs because at
+  M = 256, where 2 row tiles leave few column tiles, 64 columns took 24.8 us against 47.0 for
+  192 at (N, K) = (2112, 7168) (66 tiles against 22).
   """
   widths = [bn for bn in (192, 128, 64) if n % bn == 0] or [64]  # N % 64: `check` declines
   block_n = next((bn for bn in widths if covers_half(m, n, bn)), widths[-1])

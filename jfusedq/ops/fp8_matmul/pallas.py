@@ -8,10 +8,9 @@ not be multiples of anything (Pallas-Triton does not mask overhanging blocks by 
 With K split, each split writes an f32 partial and XLA adds them (deterministic, unlike
 atomics); decode shapes need the split to put enough programs on the GPU. XLA's sum is a
 second kernel of 1.0-2.1 us on the H200; summing in this kernel instead (the last split of a
-tile to count itself in on a zeroed counter adds the partials) was no faster: Triton 2-9%
-slower at M <= 16 and 5-35% at M = 64, Pallas from 2.5% faster to 28% slower. The count's
-round trip and the partials' reload sit at the end of every tile, one CTA a tile does the
-reload, and the counters need a memset.
+tile to count itself in on a zeroed counter adds the partials) was no faster (up to 35% slower,
+benchmarks/README.md): the count's round trip and the partials' reload sit at the end of every
+tile, one CTA a tile does the reload, and the counters need a memset.
 
 On Hopper this kernel does not reach the FP8 tensor cores: Pallas emits `tt.dot` without
 `maxNumImpreciseAcc`, and Triton then lowers an fp8 dot to fp8 -> f16 conversions and
@@ -126,8 +125,8 @@ def grouped_fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Arra
     # Col-layout scales ([KB, M]) are loaded one K block ahead, as in triton.py (see there why;
     # 1.00-1.05x row layout's time at M = 16, against 1.00-1.13x loaded in their step); the
     # index is clamped to the last block, so the final step's extra read stays in bounds.
-    # Row-layout and weight scales ahead too ran up to 5.5% slower here (9 of 10 cells), where
-    # Triton's kernel gained 0.4-8%.
+    # Row-layout and weight scales stay in their step: ahead, they ran slower here in 9 of 10
+    # cells (benchmarks/README.md).
     ahead = a_layout == "col"
 
     def step(kblock, carry):

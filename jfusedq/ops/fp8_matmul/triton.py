@@ -134,19 +134,15 @@ def fp8_matmul_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, ids_ptr, m, o_ptr, N: tl.con
 def heuristics(m: int, n: int, k: int, device_kind: str | None = None, batch: int = 1) -> Config:
   """Pallas's tiling, except 128 x 128 tiles of two warp groups where they fill the GPU.
 
-  From the H200 sweep at M = 4096: 128 x 128 tiles, 8 warps, 4 stages ran 1-12% faster than
-  64 x 128 of 4 warps (1072 vs 1218 us at N, K = 7168, 16384) where the tiles fill the last
-  wave of programs to >= 90%; with a ragged last wave (4.1 waves at N = 2112) the smaller tile
-  won by 4%, as it did at M <= 64, where Pallas's decode tiling also held against its
-  neighbours.
+  The 128 x 128 tiles (8 warps, 4 stages) where they fill the last wave of programs to >= 90%:
+  there they ran 1-12% faster than 64 x 128 of 4 warps at M = 4096 on the H200; the smaller tile
+  won with a ragged last wave and at M <= 64 (benchmarks/README.md).
 
   One change to it on Hopper: at 33-64 rows (one 64-row tile), where the K split leaves each
   program >= 32 K blocks, 5 stages, if two programs per SM hold the grid (a stage of 64 x 128
   activation and weight is 16 KB: 5 stages fit two programs in 228 KB of shared memory, 4 fit
-  three). Measured at M = 64 in four sweeps: 5 stages took 3-4% less time at (12288, 4096)
-  (32 blocks a program), 1-2% less at (7168, 16384) (64), the same at (7168, 18432) (72); with
-  7-16 blocks a program -2% to +6%, and +26% at (24576, 1536) (12 blocks, 384 programs: more
-  than two an SM).
+  three): up to 4% less time at M = 64, and 26% more with 12 blocks a program at more than two
+  programs an SM.
   """
   device_kind = device_kind or _target.current().device_kind
   sms = _target.sm_count(device_kind)
