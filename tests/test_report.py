@@ -23,7 +23,9 @@ def test_pages_are_current():
 MODES = {"fp8_matmul_prefill": "fp8_matmul",  # fp8_matmul.py --prefill
          "fp8_matmul_sweep_mosaic_gpu": "fp8_matmul",  # --sweep --sweep-impl mosaic_gpu
          # --sweep --sweep-impl mosaic_gpu --sweep-vary pingpong --tag pingpong
-         "fp8_matmul_sweep_mosaic_gpu_pingpong": "fp8_matmul"}
+         "fp8_matmul_sweep_mosaic_gpu_pingpong": "fp8_matmul",
+         "mla_decode_sweep": "mla_decode",  # --sweep --tag sweep
+         "moe_gemm_qwen_h100": "moe_gemm"}  # --models qwen3.5 --tag qwen_h100
 
 
 def test_one_file_per_benchmark():
