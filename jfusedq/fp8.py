@@ -68,6 +68,14 @@ class Fp8Format:
   def name(self) -> str:
     return self.dtype.name.removeprefix("float8_")
 
+  @property
+  def inv_max(self) -> float:
+    """`1 / max` rounded to f32: every scale is `amax * inv_max`, written as that product
+    because XLA's CPU compiler turns `amax / max` into it in some programs and not in others
+    (JAX 0.11 did in the reference, 0.12 does not), which made the implementations' scales
+    differ by an ulp depending on the JAX version."""
+    return float(np.float32(1.0) / np.float32(self.max))
+
 
 def default_format(device_kind: str | None = None, platform: str | None = None,
                    *, fp8_max: float | None = None) -> Fp8Format:

@@ -20,8 +20,8 @@ def group_quant(x: jax.Array, *, group_size: int = BLOCK, fmt: Fp8Format | str |
                 config: pallas.Config | None = None) -> QuantizedActivation:
   """Quantise `x [..., K]` to FP8 in groups of `group_size` consecutive columns.
 
-  Steps, per row and group: amax = max(max|x|, 1e-10); scale = amax / fp8_max (UE8M0: next
-  power of two); q = fp8(clamp(x / scale, +-fp8_max)). A group holding a NaN or +-inf gets
+  Steps, per row and group: amax = max(max|x|, 1e-10); scale = amax * f32(1 / fp8_max) (UE8M0:
+  next power of two); q = fp8(clamp(x / scale, +-fp8_max)). A group holding a NaN or +-inf gets
   scale NaN and NaN codes, in every implementation, so corrupt input stays visible.
 
   Args:

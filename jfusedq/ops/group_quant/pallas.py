@@ -113,7 +113,7 @@ def _scale(amax, fmt: Fp8Format, ue8m0: bool):
 
 
 def _finite_scale(amax, fmt: Fp8Format, ue8m0: bool):
-  scale = amax / fmt.max
+  scale = amax * fmt.inv_max
   if not ue8m0:
     return scale
   # Triton's f32 division is approximate (a few ulps): a quotient that is exactly a power of

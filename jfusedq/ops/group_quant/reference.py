@@ -18,8 +18,8 @@ def group_quant(y: jax.Array, fmt: Fp8Format, *, group_size: int = BLOCK, layout
                 ue8m0: bool = False, hp: jax.Array | None = None) -> QuantizedActivation:
   """Quantise `y [..., K]` in groups of `group_size` consecutive columns.
 
-  For each group: `amax = max(max|y|, 1e-10)`, `scale = amax / fp8_max` (rounded up to a power
-  of two if `ue8m0`), `q = fp8(clamp(y * (1/scale), -fp8_max, fp8_max))`. A last partial group
+  For each group: `amax = max(max|y|, 1e-10)`, `scale = amax * f32(1 / fp8_max)` (rounded up
+  to a power of two if `ue8m0`), `q = fp8(clamp(y * (1/scale), -fp8_max, fp8_max))`. A last partial group
   covers its real columns only. A group holding a NaN or +-inf gets scale NaN, hence NaN codes.
   """
   y = y.astype(jnp.float32)
@@ -31,7 +31,7 @@ def group_quant(y: jax.Array, fmt: Fp8Format, *, group_size: int = BLOCK, layout
   # XLA:CPU's vectorised max reduction drops NaN at some shapes ([16, 256] and [64, 7168] f32
   # did): a NaN counts as inf here, which every max keeps, and either makes the scale NaN.
   amax = jnp.max(jnp.where(jnp.isnan(a), jnp.inf, a), axis=-1)
-  scale = jnp.maximum(amax, AMAX_MIN) / fmt.max
+  scale = jnp.maximum(amax, AMAX_MIN) * fmt.inv_max
   if ue8m0:
     scale = pow2_ceil(scale)
   scale = jnp.where(amax <= F32_MAX, scale, jnp.nan)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jfusedq import _target, _triton
 from jfusedq._triton import tl
@@ -77,10 +76,7 @@ def quant_out_shapes(rows: int, k: int, fmt: Fp8Format, group_size: int, layout:
 def quant_params(fmt: Fp8Format, group_size: int, layout: str, ue8m0: bool,
                  target: _target.Target) -> dict:
   """The constexprs of `store_quant`."""
-  # XLA turns the reference's `amax / fp8_max` into a product with the f32 reciprocal; so does
-  # the kernel, which then meets the reference's scales bit for bit, UE8M0 included.
-  inv_max = float(np.float32(1.0) / np.float32(fmt.max))
-  return dict(G=group_size, FP8_MAX=fmt.max, INV_MAX=inv_max, UE8M0=ue8m0, COL=layout == "col",
+  return dict(G=group_size, FP8_MAX=fmt.max, INV_MAX=fmt.inv_max, UE8M0=ue8m0, COL=layout == "col",
               FNUZ_BITS=fnuz_bits(fmt, target))
 
 
