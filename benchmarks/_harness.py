@@ -1,4 +1,5 @@
-"""Timing, ceilings and results files shared by the GPU benchmarks.
+"""Timing and results files shared by the GPU benchmarks; the ceilings (`copy_tbps`,
+`copy_seconds`, `bf16_tflops`) are `models.run`'s, which `jfusedq run` holds its paths to too.
 
 Device time per call is the slope between a jit that runs the op on N distinct input sets and
 one that runs it on 2N: (t(2N) - t(N)) / N. The fixed cost of dispatching a jit (~50 us)
@@ -16,20 +17,8 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 
-from models.run import gpu_kernels, profile
-
-
-def wall(fn, *args, reps: int = 7) -> float:
-  """Median wall seconds of fn(*args) after a warm-up, synchronised."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+from models.run import chain_seconds, gpu_kernels, profile
 
 
 def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: bool = True,
@@ -64,9 +53,7 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
   f = jax.jit(lambda sets: [op(*s) for s in sets])
   result = {"chain_s": None, "kernel_s": None, "kernels_per_call": None}
   if chain:
-    t1 = wall(f, sets[:n])
-    t2 = wall(f, sets)
-    result["chain_s"] = max(t2 - t1, 1e-9) / n
+    result["chain_s"] = chain_seconds(f, sets, n)
   else:
     jax.block_until_ready(f(sets[:n]))
   if hlo:
@@ -138,31 +125,6 @@ def idle_gaps(spans: list[tuple[int, int, str]]) -> dict[str, int]:
     if stop > end:
       end, prev = stop, name
   return gaps
-
-
-def copy_tbps(gib: float = 2.0) -> float:
-  """Measured device copy bandwidth (bytes read + written per second), in TB/s.
-
-  An elementwise `a * 2` over `gib` GiB of f32 (one read, one write per element), timed like
-  the ops: profiler kernel time where available, the chain slope otherwise.
-  """
-  nbytes = 2 * (int(gib * 2**30) // 4) * 4
-  return nbytes / copy_seconds(nbytes, calls=3) / 1e12
-
-
-def copy_seconds(nbytes: int, calls: int = 5) -> float:
-  """Device time of a copy moving `nbytes` (half read, half written): the same-size ceiling.
-
-  A small kernel pays a fixed launch and tail cost that the 2 GiB copy of `copy_tbps` hides;
-  this is the yardstick a kernel of that size can actually be held to. `calls` per timed jit.
-  """
-  n = max(1, nbytes // 8)
-
-  def make(count):
-    return [(jnp.full((n,), i + 1.5, jnp.float32),) for i in range(count)]
-
-  m = measure(lambda a: a * 2.0, make, calls)
-  return m["kernel_s"] or m["chain_s"]
 
 
 def write_results(name: str, rows: list[dict], ceilings: dict, commit: str, out_dir: str) -> str:

@@ -56,6 +56,7 @@ from jfusedq import QuantizedActivation, Unsupported, rmsnorm_quant  # noqa: E40
 from jfusedq.fp8 import BLOCK as G  # noqa: E402
 from jfusedq.parallel import allreduce_rmsnorm_quant_sharded, chosen_strategy  # noqa: E402
 from jfusedq.testing import quant_mismatch  # noqa: E402
+from models import run as runner  # noqa: E402
 
 AXIS = "tp"
 TS = (1, 16, 64, 256, 1024, 4096, 16384)
@@ -195,7 +196,7 @@ def main():
   n = len(devices)
   mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
   ts, hs = ((1, 8, 2 * n), (576, 2112)) if args.smoke else (args.ts, args.hs)
-  bw = None if args.smoke else _harness.copy_tbps()
+  bw = None if args.smoke else runner.copy_tbps()
   print(f"{n} x {devices[0].device_kind}; copy bandwidth "
         f"{'not measured (smoke)' if bw is None else f'{bw:.2f} TB/s'}")
   print("link bytes: all-reduce 2(N-1)/N*T*H*2, sequence-parallel (N-1)/N*(T*H*2 + T*H + "

@@ -13,18 +13,12 @@ launch one call onto an idle device, per step). Kernels per step counted from th
 kernel XLA cannot capture, as jax-triton's were, is launched by the host between graphs, which
 cost 277-1455 us of idle GPU a step on the H200).
 
-Floor = bytes a step must read, per device, / copy bandwidth. A step reads every weight once
-(`step_bytes`), except:
-  embedding table   B rows (unless tied to the LM head, which reads it whole)
-  routed experts    at most min(E, B * top_k) of each MoE layer's E experts (exact at B = 1,
-                    where a token's top_k experts are distinct; an upper bound above)
-plus the cache the step attends over (`cache_bytes`: every allocated slot, as the masked
-attention reads them; per device, as the step returns it; the recurrent state of Qwen3.5's
-linear-attention layers counts once although it is also rewritten). Activations are left out.
+Floor = bytes a step must read, per device, / copy bandwidth (`models.cost`: `weight_bytes`,
+the weights a step touches, and `cache_bytes`, every slot of the cache as the step returns it).
 With --tp > 1 no floor is given (`roofline_frac` null): the weights' per-device split is the
-model's own (heads, intermediate dims; embeddings and norms replicated), not counted here.
+model's own (heads, intermediate dims; embeddings and norms replicated), not counted there.
 
-Paths: `bf16` runs the bf16 master weights with no FP8 (its own `step_bytes`), `unfused` and
+Paths: `bf16` runs the bf16 master weights with no FP8 (its own `weight_bytes`), `unfused` and
 `fused` the same FP8 weights; `vs_xla` is each row's speed-up over the unfused FP8 step.
 
 Correctness, per row: the step's logits against the same path (bf16, fused or unfused) on
@@ -52,7 +46,6 @@ Run: python benchmarks/decode.py [--presets deepseek-v3-layers ...] [--batches 1
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -60,7 +53,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -68,8 +60,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _harness  # noqa: E402
 from jfusedq.hlo import kernel_counts  # noqa: E402
-from jfusedq.nn import StackedLinear  # noqa: E402
 from jfusedq.testing import rel_rms  # noqa: E402
+from models import cost  # noqa: E402
 from models import run as runner  # noqa: E402
 
 
@@ -94,28 +86,6 @@ PATHS = ("unfused", "fused", "bf16")
 IMPLS = {"default": None, "pallas": ("pallas", "xla"), "triton": ("triton", "xla")}
 
 
-def _device_bytes(tree) -> int:
-  """Bytes of `tree`'s arrays held by one device (a tensor-parallel shard, or the whole)."""
-  size = lambda x: (math.prod(x.sharding.shard_shape(x.shape))
-                    if getattr(x, "sharding", None) is not None else x.size) * x.dtype.itemsize
-  return sum(size(x) for x in jax.tree.leaves(tree))
-
-
-def step_bytes(model: nnx.Module, batch: int) -> int:
-  """Weight bytes one decode step of `batch` tokens reads on one device (module docstring)."""
-  cfg = model.cfg
-  total = _device_bytes(nnx.state(model))
-  for path, node in nnx.iter_graph(model):
-    if isinstance(node, StackedLinear):
-      stacked = _device_bytes(nnx.state(node))
-      total -= stacked - stacked * min(node.weight.shape[0],
-                                       batch * cfg.num_experts_per_tok) // node.weight.shape[0]
-    elif path and path[-1] == "embed_tokens" and not cfg.tie_word_embeddings:
-      table = node.weight[...]
-      total -= _device_bytes(table) - _device_bytes(table) * batch // table.shape[0]
-  return total
-
-
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--presets", nargs="+", default=["deepseek-v3-layers", "qwen3.5-layers"])
@@ -137,7 +107,7 @@ def main():
   ap.add_argument("--tag", default="", help="results file decode_<tag>.json")
   args = ap.parse_args()
   presets = [p.replace("-layers", "-tiny") for p in args.presets] if args.smoke else args.presets
-  bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
+  bw = runner.copy_tbps(0.05 if args.smoke else 2.0)
   print(f"measured copy bandwidth {bw:.2f} TB/s; floor = weight bytes / copy bandwidth")
   rows = []
   print(f"{'preset':>20} {'impl':>7} {'B':>3} {'path':>8} {'step us':>9} {'steady us':>9} "
@@ -198,7 +168,7 @@ def run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, ref_logits,
   times, logits = {}, {}
   for path in PATHS:
     model, forward, params = kernel_paths[path]
-    weight_bytes = step_bytes(model, b)
+    weight_bytes = cost.weight_bytes(model, b)
     vocab = model.cfg.vocab_size
     tok0 = jax.random.randint(jax.random.key(b), (b, 1), 0, vocab, jnp.int32)
     logits[path], new_cache = forward(params, tok0, model.init_cache(b, args.context + 1),
@@ -220,7 +190,7 @@ def run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, ref_logits,
 
     step = lambda params, cache, tok, forward=forward: forward(
         params, tok, cache, jnp.int32(args.context))[0]
-    cache_bytes = _device_bytes(new_cache)
+    cache_bytes = cost.cache_bytes(new_cache)
     xla_diff = None
     if ref_paths is not None:
       if (path, b) not in ref_logits:
@@ -244,7 +214,7 @@ def run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, ref_logits,
                                 implementation=impl),
                      impl=path, time_us=round(sec * 1e6, 2),
                      tbps=read and round(read / sec / 1e12, 3), tflops=None,
-                     roofline_frac=read and round(read / (bw * 1e12) / sec, 3),
+                     roofline_frac=read and round(cost.step_floor(read, bw) / sec, 3),
                      vs_xla=round(times["unfused"] / sec, 4), correct=ok,
                      logits_rel_rms_vs_xla=xla_diff and round(xla_diff, 6),
                      logits_rel_rms_vs_unfused=round(diff, 5), weight_bytes=weight_bytes,

@@ -78,6 +78,8 @@ from jfusedq.ops.fp8_matmul.reference import dequantize_weight  # noqa: E402
 from jfusedq.ops._common import pow2_floor  # noqa: E402
 from jfusedq.testing import (DECODE_TOKENS, EDGE_PROJECTIONS, EXPERTS,  # noqa: E402
                              PREFILL_TOKENS, PROJECTIONS, rel_rms)
+from models import cost  # noqa: E402
+from models import run as runner  # noqa: E402
 
 MS = DECODE_TOKENS + PREFILL_TOKENS
 SWEEP_MS = (1, 64, 256, 4096)  # M = 16 tiles like M = 1 (block_m 16): ask for it with --ms
@@ -92,16 +94,6 @@ CUBLAS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_cublas.py")
 TOL, TOL_F32 = 2.0**-8, 1e-4
 # Two bf16 outputs of one product: each rounding is within 2^-8 of its float32 value.
 TOL_BF16_PAIR = 2.0**-7
-
-
-def bf16_tflops(n: int = 8192) -> float:
-  def make(count):
-    keys = jax.random.split(jax.random.key(0), 2 * count)
-    return [(jax.random.normal(keys[2 * i], (n, n), jnp.bfloat16),
-             jax.random.normal(keys[2 * i + 1], (n, n), jnp.bfloat16)) for i in range(count)]
-
-  m = _harness.measure(lambda a, b: a @ b, make, 3)
-  return 2 * n**3 / (m["kernel_s"] or m["chain_s"]) / 1e12
 
 
 def roofline(m: int, n: int, k: int, fp8_peak: float, bw: float) -> tuple[int, int, float]:
@@ -553,9 +545,9 @@ def main():
       every = {**IMPLS, **EXTRA_IMPLS}
       impls = {i: every[i] for i in dict.fromkeys(["xla_bf16", *args.impls]) if i in every}
 
-  bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
-  bf16 = bf16_tflops(256 if args.smoke else 8192)
-  fp8_peak = 2 * bf16
+  bw = runner.copy_tbps(0.05 if args.smoke else 2.0)
+  bf16 = runner.bf16_tflops(256 if args.smoke else 8192)
+  fp8_peak = cost.FP8_PER_BF16 * bf16
   print(f"device {jax.devices()[0].device_kind}: copy {bw:.2f} TB/s, bf16 dot {bf16:.0f} TFLOP/s,"
         f" FP8 peak taken as {fp8_peak:.0f} TFLOP/s")
   if args.sweep:
@@ -584,7 +576,7 @@ def main():
           for impl in {i.split("+")[0] for i in impls} - {"xla_bf16", "xla_dequant"}}
     flops, nbytes, floor = roofline(m, n, k, fp8_peak, bw)
     # The same bytes copied: the ceiling of a kernel this size (launch and tail included).
-    same = _harness.copy_seconds(nbytes) if m <= 64 else None
+    same = runner.copy_seconds(nbytes) if m <= 64 else None
     configs = {impl: str(h(m, n, k)) for impl, h in HEURISTICS.items()}
     # Few calls per jit: each Pallas call in it is compiled separately (seconds per case).
     n_calls = 4

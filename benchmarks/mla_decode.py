@@ -31,10 +31,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _harness  # noqa: E402
-from fp8_matmul import bf16_tflops  # noqa: E402
 from jfusedq import default_format, group_quant, mla_decode  # noqa: E402
 from jfusedq.ops.mla_decode import triton as mla_triton  # noqa: E402
 from jfusedq.testing import rel_rms  # noqa: E402
+from models import run as runner  # noqa: E402
 
 L, R = 512, 64
 # The kernel's test tolerance (tests/ops/test_mla_decode.py): bf16 probabilities and latent.
@@ -86,8 +86,8 @@ def main():
   args = ap.parse_args()
   contexts, batches, heads = ([40], [1], [4]) if args.smoke else (args.contexts, args.batches,
                                                                  args.heads)
-  bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
-  peak = bf16_tflops(256 if args.smoke else 8192)
+  bw = runner.copy_tbps(0.05 if args.smoke else 2.0)
+  peak = runner.bf16_tflops(256 if args.smoke else 8192)
   print(f"device {jax.devices()[0].device_kind}: copy {bw:.2f} TB/s, bf16 {peak:.0f} TFLOP/s")
   print(f"{'case':>58} {'impl':>30} {'us':>9} {'TB/s':>6} {'roof':>5} ok")
   rows, seed = [], 0

@@ -12,16 +12,10 @@ time_ms: the profiler's kernel time of one prefill on a GPU; elsewhere the wall 
 of --reps after a warm-up, as on CPU there is no kernel trace). tokens_per_s = batch * tokens /
 time. compile_s: the prefill's compile.
 
-roofline_frac = (projection FLOPs / FP8 peak + attention FLOPs / bf16 peak) / time: one roofline
-per case whatever the path, so the rows' fractions compare as their speeds do.
-  projection FLOPs: 2 * B * T * the N * K of every projection a token passes (the routed experts
-    top_k of E; the LM head once a sequence, logits="last"): what the model must compute (the
-    MoE layer computes only those, `models.common.moe`).
-  attention FLOPs: 2 * B * Hq * (Dqk + Dv) * T (T + 1) / 2 per full-attention layer (the causal
-    (query, key) pairs; MLA per head: Dqk = 192, Dv = 128). Qwen3.5's gated delta rule (its
-    linear-attention layers' recurrence, ~1% of such a layer's FLOPs) is left out.
-  bf16 peak: XLA's bf16 dot at 8192^3, measured in the run (`fp8_matmul.bf16_tflops`); the FP8
-    peak is taken as twice it, as in fp8_matmul.py.
+roofline_frac = the prefill's floor / time (`models.cost`: projection FLOPs, the LM head once a
+sequence, at the FP8 peak + attention FLOPs at the bf16 peak): one floor per case whatever the
+path, so the rows' fractions compare as their speeds do. bf16 peak: XLA's bf16 dot at 8192^3,
+measured in the run (`models.run.bf16_tflops`); the FP8 peak is taken as twice it.
 peak_bytes: XLA's peak of the compiled prefill (`peak_memory_in_bytes` of its memory analysis:
 weights, tokens and cache as arguments, temporaries, outputs); temp_bytes: the temporaries alone,
 which grow with the chunk where the cache grows with the prompt.
@@ -69,13 +63,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
 import jfusedq  # noqa: E402
 from decode import xla_tol  # noqa: E402
-from fp8_matmul import bf16_tflops  # noqa: E402
-from jfusedq.nn import Fp8Linear, Linear, StackedLinear  # noqa: E402
 from jfusedq.ops.attention import SEGMENT, Prefix, attention  # noqa: E402
 from jfusedq.testing import rel_rms  # noqa: E402
+from models import cost  # noqa: E402
 from models import run as runner  # noqa: E402
 from models.common import PREFILL_CHUNK  # noqa: E402
-from models.qwen3_5.config import GDN  # noqa: E402
 
 PATHS = ("fused", "unfused", "bf16")
 # The attention op's default backends against its XLA reference in bf16: cuDNN rounds each
@@ -98,40 +90,10 @@ class Backends(logging.Handler):
       self.seen.add(msg.split()[2])
 
 
-def flops(model: nnx.Module, batch: int, tokens: int) -> tuple[float, float]:
-  """(projection FLOPs, attention FLOPs) of one prefill (module docstring)."""
-  cfg = model.cfg
-  proj = 0.0
-  for path, node in nnx.iter_graph(model):
-    if isinstance(node, (Linear, Fp8Linear)):
-      n, k = node.weight.shape
-      rows = batch if path and path[-1] == "lm_head" else batch * tokens
-      proj += 2.0 * rows * n * k
-    elif isinstance(node, StackedLinear):
-      _, n, k = node.weight.shape
-      proj += 2.0 * batch * tokens * cfg.num_experts_per_tok * n * k
-  pairs = batch * tokens * (tokens + 1) / 2
-  if hasattr(cfg, "kv_lora_rank"):  # DeepSeek-V3: per-head MLA in every layer
-    layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
-    dims = cfg.qk_head_dim + cfg.v_head_dim
-  else:  # Qwen3.5: the full-attention layers
-    layers = sum(1 for t in cfg.layer_types if t != GDN)
-    heads, dims = cfg.num_heads, 2 * cfg.head_dim
-  return proj, 2.0 * heads * dims * pairs * layers
-
-
-def head_shapes(cfg) -> tuple[int, int, int, int]:
-  """(Hq, Hkv, Dqk, Dv) of the model's prefill attention."""
-  if hasattr(cfg, "kv_lora_rank"):
-    h = cfg.num_attention_heads
-    return h, h, cfg.qk_head_dim, cfg.v_head_dim
-  return cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim
-
-
 def attention_check(cfg, t: int, cached: int) -> float:
   """The attention op's default backends against "xla" at the model's head shapes, bf16, with
   `t` new tokens over `cached` positions: relative RMS."""
-  hq, hkv, d, dv = head_shapes(cfg)
+  hq, hkv, d, dv = cost.head_shapes(cfg)
   ks = jax.random.split(jax.random.key(0), 5)
   f = lambda key, *s: jax.random.normal(key, s, jnp.bfloat16)
   q, k, v = f(ks[0], 1, t, hq, d), f(ks[1], 1, t, hkv, d), f(ks[2], 1, t, hkv, dv)
@@ -220,9 +182,10 @@ def main():
   backends = Backends()
   logging.getLogger("jfusedq").addHandler(backends)
   logging.getLogger("jfusedq").setLevel(logging.INFO)
-  bf16 = bf16_tflops(256 if args.smoke else 8192)
-  peaks = {"bf16_tflops": round(bf16, 1), "fp8_tflops": round(2 * bf16, 1)}
-  print(f"bf16 dot {bf16:.1f} TFLOP/s; FP8 peak taken as {2 * bf16:.1f}")
+  bf16 = runner.bf16_tflops(256 if args.smoke else 8192)
+  fp8 = cost.FP8_PER_BF16 * bf16
+  peaks = {"bf16_tflops": round(bf16, 1), "fp8_tflops": round(fp8, 1)}
+  print(f"bf16 dot {bf16:.1f} TFLOP/s; FP8 peak taken as {fp8:.1f}")
   # The reference's prompt length first: its rows hold the check the longer ones rely on.
   check_at = max((t for t in args.tokens if t <= args.check_tokens), default=None)
   tokens = sorted(args.tokens, key=lambda t: (t != check_at, t))
@@ -260,8 +223,8 @@ def main():
           r = time_prefill(model, prompts[t], chunk, args.reps)
           if t == check_at:
             checks[path] = max(checks[path], rel_rms(r["logits"], refs[path]))
-          proj, attn = flops(model, args.batch, t)
-          roof = proj / (2 * bf16 * 1e12) + attn / (bf16 * 1e12)
+          proj, attn = cost.prefill_flops(model, args.batch, t, logits="last")
+          roof = cost.prefill_floor(proj, attn, bf16)
           checked = checks.get(path)
           ok = (bool(np.isfinite(r["logits"]).all()) and checked is not None and checked <= tol
                 and att <= ATTENTION_TOL)

@@ -34,6 +34,7 @@ import _harness  # noqa: E402
 from jfusedq import group_quant, rmsnorm_quant  # noqa: E402
 from jfusedq.ops.group_quant import Config  # noqa: E402
 from jfusedq.testing import quant_mismatch  # noqa: E402
+from models import run as runner  # noqa: E402
 
 G = 128
 TS = (1, 64, 4096, 16384)
@@ -134,7 +135,7 @@ def main():
   impls = args.impls if on_gpu else [i for i in args.impls if i != "triton"]  # GPU only
   chain = args.chain or not on_gpu  # no profiler kernel time without a GPU
 
-  bw = _harness.copy_tbps(0.05 if args.smoke else 2.0)
+  bw = runner.copy_tbps(0.05 if args.smoke else 2.0)
   print(f"device {jax.devices()[0].device_kind}; measured copy bandwidth {bw:.2f} TB/s")
   print("bytes = T*H*2*(3 if residual else 1) + H*2 + T*H + T*ceil(H/128)*4 [+ T*H*2 with hp]"
         " [+ 2*T*H2*2 + H2*2 for the MLA pair]; time = profiler kernel time per call;"
@@ -163,7 +164,7 @@ def main():
                   for impl in ("pallas", "triton") if on_gpu or impl != "triton"
                   for br in ((1, 2, 4) if t >= 4096 else (1,))
                   for nw in (4, 8, 16, 32)]
-    same = _harness.copy_seconds(nbytes)
+    same = runner.copy_seconds(nbytes)
     xla = None
     for impl, config in configs:
       ok = True if impl == "xla" else check(make, impl.split("(")[0], config, hp, quant_only)

@@ -14,7 +14,16 @@ writing the buffers the last one did.
 Per path: `repeats` rounds after a warm-up one; step time = round wall time / steps (median and
 p10-p90 over rounds), host enqueue time = the launching loop's time / steps. On a GPU the
 profiler's kernel time per step is added (`device_ms`). On CPU these are XLA:CPU times of a
-host-bound program, not kernel speeds.
+host-bound program, not kernel speeds. The prefill's first call gives the numerics' logits and
+the cache decode starts from; a second, into a new cache, is timed (`prefill_ms`, wall clock),
+and on a GPU a third under the profiler (`prefill_device_ms`).
+
+Rooflines (`models.cost`), on one GPU: before the build the device's copy bandwidth and bf16
+dot are measured (`peaks`); a path's prefill kernel time is held to the FLOPs it must compute
+(`prefill_roofline_frac`: projections at the FP8 peak, attention at the bf16 one) and its decode
+kernel time per step to the bytes a step must read (`roofline_frac`: the weights it touches and
+the cache, at copy bandwidth). Null on CPU (no kernel times, no meaningful peak) and under TP
+(the weights' split over the devices is the model's own, not counted).
 
 Numerics: teacher-forced, the prefill's logits over one fixed token sequence, per position:
 KL(reference || path) and top-1 agreement, with the range measured for the preset (EXPECTED):
@@ -46,7 +55,7 @@ from jfusedq import default_format
 from jfusedq.errors import InputError
 from jfusedq.hlo import kernel_counts
 from jfusedq.nn import quantize_weight
-from models import registry
+from models import cost, registry
 from models.common import tp_apply
 from models.presets import PRESETS
 
@@ -344,22 +353,99 @@ def device_seconds(fn: Callable[[], object]) -> float | None:
   return sum(end - start for spans in gpus for start, end, _ in spans) * 1e-9 / len(gpus)
 
 
-def run_path(name: str, forward, params, tokens, cache, steps: int, repeats: int,
-             progress=None) -> dict:
-  """Compile, prefill `tokens [B, T]` (the numerics' teacher-forced logits), then `repeats`
-  timed rounds of `steps` greedy decode steps after a warm-up round (module docstring)."""
+def wall(fn, *args, reps: int = 7) -> float:
+  """Median wall seconds of fn(*args) after a warm-up, synchronised."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def chain_seconds(f, sets: list, n: int) -> float:
+  """Seconds per call by the slope of wall time between the jit `f` over `sets[:n]` and over
+  all 2n `sets`: the fixed cost of dispatching a jit cancels, launch gaps count."""
+  t1 = wall(f, sets[:n])
+  t2 = wall(f, sets)
+  return max(t2 - t1, 1e-9) / n
+
+
+def call_seconds(op: Callable, make: Callable[[int], list], n: int) -> float:
+  """Device seconds per call of `op` run on `n` distinct input sets (`make(count)`: count of
+  them) in one jit, every output returned: the profiler's kernel time where a GPU ran it, else
+  `chain_seconds` (which warms the jit up either way). The timing of `benchmarks/_harness.
+  measure`, reduced to one figure."""
+  sets = make(2 * n)
+  f = jax.jit(lambda sets: [op(*s) for s in sets])
+  chain = chain_seconds(f, sets, n)
+  kernel = device_seconds(lambda: f(sets[:n]))
+  return chain if kernel is None else kernel / n
+
+
+def copy_seconds(nbytes: int, calls: int = 5) -> float:
+  """Device time of a copy moving `nbytes` (half read, half written): an elementwise `a * 2`
+  in f32, `calls` a timed jit. A small kernel pays a fixed launch and tail cost that the
+  2 GiB copy of `copy_tbps` hides: this is the yardstick a kernel of that size can be held
+  to."""
+  n = max(1, nbytes // 8)
+
+  def make(count):
+    return [(jnp.full((n,), i + 1.5, jnp.float32),) for i in range(count)]
+
+  return call_seconds(lambda a: a * 2.0, make, calls)
+
+
+def copy_tbps(gib: float = 2.0) -> float:
+  """Device copy bandwidth (bytes read + written per second), in TB/s: `copy_seconds` over
+  `gib` GiB of f32, 3 calls a jit."""
+  nbytes = 2 * (int(gib * 2**30) // 4) * 4
+  return nbytes / copy_seconds(nbytes, calls=3) / 1e12
+
+
+def bf16_tflops(n: int = 8192) -> float:
+  """XLA's bf16 dot of two n x n matrices, in TFLOP/s (`call_seconds`, 3 calls a jit)."""
+  def make(count):
+    keys = jax.random.split(jax.random.key(0), 2 * count)
+    return [(jax.random.normal(keys[2 * i], (n, n), jnp.bfloat16),
+             jax.random.normal(keys[2 * i + 1], (n, n), jnp.bfloat16)) for i in range(count)]
+
+  return 2 * n**3 / call_seconds(lambda a, b: a @ b, make, 3) / 1e12
+
+
+def peaks() -> dict:
+  """The device's peaks the roofline fractions are held to (`models.cost`), measured:
+  `copy_tbps`, `bf16_tflops` and the FP8 peak taken from it."""
+  bf16 = round(bf16_tflops(), 1)
+  return dict(copy_tbps=round(copy_tbps(), 3), bf16_tflops=bf16,
+              fp8_tflops=round(cost.FP8_PER_BF16 * bf16, 1))
+
+
+def run_path(name: str, forward, params, tokens, empty: Callable[[], object], steps: int,
+             repeats: int, progress=None) -> dict:
+  """Compile, prefill `tokens [B, T]` into `empty()` (a new cache; the numerics'
+  teacher-forced logits), then `repeats` timed rounds of `steps` greedy decode steps after a
+  warm-up round (module docstring)."""
   progress = progress or Quiet()
   prefill, decode = step_fns(forward)
-  t = tokens.shape[1]
+  b, t = tokens.shape
   pos0 = jnp.int32(t)
+  gpu = jax.devices()[0].platform == "gpu"
+  cache = empty()
   t0 = time.perf_counter()
   with progress.spin(f"compile {name} prefill"):
     prefill_c = prefill.lower(params, tokens, cache).compile()
   compile_s = time.perf_counter() - t0
-  t0 = time.perf_counter()
   logits, tok0, cache = jax.block_until_ready(prefill_c(params, tokens, cache))
-  prefill_s = time.perf_counter() - t0
   logits = np.asarray(logits, np.float32)
+  spare = jax.block_until_ready(empty())
+  t0 = time.perf_counter()
+  jax.block_until_ready(prefill_c(params, tokens, spare))
+  prefill_s = time.perf_counter() - t0
+  spare = jax.block_until_ready(empty())  # made outside the trace: its copies are no prefill's
+  prefill_dev = device_seconds(lambda: prefill_c(params, tokens, spare)) if gpu else None
+  del spare
   t0 = time.perf_counter()
   with progress.spin(f"compile {name} decode"):
     # for the cache as the prefill lays it out (under TP: split over the devices)
@@ -384,14 +470,33 @@ def run_path(name: str, forward, params, tokens, cache, steps: int, repeats: int
     *_, holder[0] = round_(holder[0])
     return holder[0]
 
-  dev = device_seconds(traced) if jax.devices()[0].platform == "gpu" else None
+  dev = device_seconds(traced) if gpu else None
   p10, med, p90 = np.percentile(step_s, [10, 50, 90])
-  b = tokens.shape[0]
-  return dict(compile_s=compile_s, prefill_ms=prefill_s * 1e3, step_ms=med * 1e3,
+  return dict(compile_s=compile_s, prefill_ms=prefill_s * 1e3,
+              prefill_device_ms=prefill_dev and prefill_dev * 1e3,
+              prefill_tokens_per_s=b * t / prefill_s, step_ms=med * 1e3,
               step_ms_p10=p10 * 1e3, step_ms_p90=p90 * 1e3,
               enqueue_ms=float(np.median(enqueue_s)) * 1e3,
               device_ms=dev and dev / steps * 1e3, tokens_per_s=b / med, kernels=counts,
               logits=logits, last_tokens=np.asarray(last[:, -1:]))
+
+
+def rooflines(model: nnx.Module, x: dict, peaks: dict | None, batch: int, prompt_len: int,
+              cache) -> dict:
+  """A path's fractions of its floors at `peaks` (`models.cost`), from its figures `x`
+  (`run_path`'s): `prefill_roofline_frac`, the prefill's FLOPs (logits at every position, as
+  `step_fns`' prefill computes them) over its kernel time, and `roofline_frac`, the bytes a
+  decode step reads (the weights it touches and `cache`, every slot) over its kernel time. Each
+  None without peaks or without that kernel time."""
+  pre = dec = None
+  if peaks and x["prefill_device_ms"]:
+    proj, attn = cost.prefill_flops(model, batch, prompt_len, logits="all")
+    floor = cost.prefill_floor(proj, attn, peaks["bf16_tflops"])
+    pre = floor / (x["prefill_device_ms"] * 1e-3)
+  if peaks and x["device_ms"]:
+    read = cost.weight_bytes(model, batch) + cost.cache_bytes(cache)
+    dec = cost.step_floor(read, peaks["copy_tbps"]) / (x["device_ms"] * 1e-3)
+  return dict(prefill_roofline_frac=pre, roofline_frac=dec)
 
 
 def first_toks(tok: jax.Array, steps: int) -> jax.Array:
@@ -454,6 +559,13 @@ def run(preset=None, checkpoint=None, *, batch=RANGE_BATCH, prompt_len=RANGE_PRO
   """Every path of `paths` on one set of weights (module docstring); `progress`: a `Quiet`
   (the default) or the CLI's reporter."""
   progress = progress or Quiet()
+  measured = None
+  if tp == 1 and jax.devices()[0].platform == "gpu":
+    # Before the build: the 2 GiB copies and their outputs take 24 GiB of the device.
+    with progress.spin("measure the device's copy bandwidth and bf16 dot"):
+      measured = peaks()
+    progress.say(f"copy {measured['copy_tbps']:.2f} TB/s, bf16 dot "
+                 f"{measured['bf16_tflops']:.0f} TFLOP/s")
   t0 = time.perf_counter()
   with progress.spin("build"):
     built = build(preset, checkpoint, fp8="bf16" not in paths, tp=tp, seed=seed)
@@ -466,18 +578,19 @@ def run(preset=None, checkpoint=None, *, batch=RANGE_BATCH, prompt_len=RANGE_PRO
                 device=jax.devices()[0].device_kind, jax=jax.__version__,
                 commit=checkout_commit(), date=datetime.date.today().isoformat(), tp=tp,
                 batch=batch, prompt_len=prompt_len, steps=steps, steps_per_call=chunk_for(steps),
-                repeats=repeats, layers=built.layers, paths={})
+                repeats=repeats, layers=built.layers, peaks=measured, paths={})
   fp8_params = None  # the fused and unfused paths share one placed copy of the FP8 weights
   for name, model in models.items():
     forward, params = forward_fn(model, tp)
     if name != "bf16":
       fp8_params = params = fp8_params or params
-    cache = new_cache(model, batch, prompt_len + steps)
+    empty = lambda model=model: new_cache(model, batch, prompt_len + steps)
     progress.say(f"{name}: prefill {batch} x {prompt_len} tokens, then {repeats} rounds of {steps} "
         f"decode steps")
-    result["paths"][name] = run_path(name, forward, params, tokens, cache, steps, repeats,
-                                     progress)
-    del forward, params, cache
+    x = run_path(name, forward, params, tokens, empty, steps, repeats, progress)
+    x.update(rooflines(model, x, measured, batch, prompt_len, jax.eval_shape(empty)))
+    result["paths"][name] = x
+    del forward, params
   if tp > 1:
     from jfusedq import parallel
     h = cfg.hidden_size
@@ -522,10 +635,26 @@ def direction(key: str, ratio: float) -> str:
   return f"{num} {1 / ratio:.2f}x faster than {den}"
 
 
-# The table's columns: the JSON keys of a path's figures (`to_json`), kernels by kind.
-COLUMNS = (("compile_s", 9), ("prefill_ms", 10), ("step_ms", 8), ("step_ms_p10-p90", 15),
-           ("enqueue_ms", 10), ("device_ms", 9), ("tokens_per_s", 12), ("kernels", 7),
-           ("fusion", 6), ("custom-call", 11), ("collective", 10), ("other", 5))
+# The tables' columns: the JSON keys of a path's figures (`to_json`), kernels by kind.
+PREFILL_COLUMNS = (("compile_s", 9), ("prefill_ms", 10), ("prefill_device_ms", 17),
+                   ("prefill_tokens_per_s", 20), ("prefill_roofline_frac", 21))
+DECODE_COLUMNS = (("step_ms", 8), ("step_ms_p10-p90", 15), ("enqueue_ms", 10), ("device_ms", 9),
+                  ("tokens_per_s", 12), ("roofline_frac", 13), ("kernels", 7), ("fusion", 6),
+                  ("custom-call", 11), ("collective", 10), ("other", 5))
+
+
+def _cell(v, spec: str) -> str:
+  """A figure as the tables print it: "-" where it is null (not measured)."""
+  return "-" if v is None else format(v, spec)
+
+
+def _rows(r: dict, columns, cells) -> list[str]:
+  """A table of every path: a header of `columns` (name, width), a row of `cells(figures)`."""
+  head = f"{'path':>8} " + " ".join(f"{name:>{w}}" for name, w in columns)
+  lines = [head, "-" * len(head)]
+  for name, x in r["paths"].items():
+    lines.append(f"{name:>8} " + " ".join(f"{c:>{w}}" for c, (_, w) in zip(cells(x), columns)))
+  return lines
 
 
 def table(r: dict) -> str:
@@ -536,18 +665,29 @@ def table(r: dict) -> str:
   if cpu:
     lines.append("CPU: these are XLA:CPU wall times of a host-bound program, NOT kernel speeds "
                  "(kernel times come from a GPU run)")
-  lines.append("per path (the JSON keys; ms are per decode step, kernels those one step "
-               "launches):")
-  head = f"{'path':>8} " + " ".join(f"{name:>{w}}" for name, w in COLUMNS)
-  lines += [head, "-" * len(head)]
-  for name, x in r["paths"].items():
-    k = x["kernels"]
-    dev = "n/a" if x["device_ms"] is None else f"{x['device_ms']:.3f}"
-    cells = (f"{x['compile_s']:.2f}", f"{x['prefill_ms']:.2f}", f"{x['step_ms']:.3f}",
-             f"{x['step_ms_p10']:.3f}-{x['step_ms_p90']:.3f}", f"{x['enqueue_ms']:.3f}", dev,
-             f"{x['tokens_per_s']:.1f}", k["total"], k["fusion"], k["custom-call"],
-             k["collective"], k["other"])
-    lines.append(f"{name:>8} " + " ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS)))
+  peaks = r["peaks"]
+  if peaks:
+    lines.append(f"roofline peaks, measured on this device: copy {peaks['copy_tbps']:.2f} TB/s, "
+                 f"XLA bf16 dot {peaks['bf16_tflops']:.0f} TFLOP/s, FP8 taken as "
+                 f"{peaks['fp8_tflops']:.0f}")
+  elif r["tp"] > 1:
+    lines.append("no roofline fractions under --tp: the weights' split over the devices is not "
+                 "counted")
+  else:
+    lines.append(f"no roofline fractions on {r['platform']}: peaks and kernel times come from a "
+                 f"GPU run")
+  lines.append("prefill per path (the JSON keys; one call after the first; "
+               "prefill_roofline_frac: FLOP floor / kernel time):")
+  lines += _rows(r, PREFILL_COLUMNS, lambda x: (
+      f"{x['compile_s']:.2f}", f"{x['prefill_ms']:.2f}", _cell(x["prefill_device_ms"], ".3f"),
+      f"{x['prefill_tokens_per_s']:.1f}", _cell(x["prefill_roofline_frac"], ".3f")))
+  lines.append("decode per path (ms are per step, kernels those one step launches; "
+               "roofline_frac: byte floor / kernel time):")
+  lines += _rows(r, DECODE_COLUMNS, lambda x: (
+      f"{x['step_ms']:.3f}", f"{x['step_ms_p10']:.3f}-{x['step_ms_p90']:.3f}",
+      f"{x['enqueue_ms']:.3f}", _cell(x["device_ms"], ".3f"), f"{x['tokens_per_s']:.1f}",
+      _cell(x["roofline_frac"], ".3f"), *(x["kernels"][k] for k in (
+          "total", "fusion", "custom-call", "collective", "other"))))
   for name, x in r["paths"].items():
     if x["device_ms"]:
       wall, host = x["step_ms"] / x["device_ms"], x["enqueue_ms"] / x["device_ms"]

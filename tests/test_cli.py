@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
+from models import cost
 from models import run as runner
 from models.cli import main
 from models.presets import PRESETS
@@ -44,14 +45,19 @@ def test_run_three_paths(tmp_path, capsys, preset):
     k = x["kernels"]
     assert k["total"] == k["fusion"] + k["custom-call"] + k["collective"] + k["other"]
     assert x["step_ms_p10"] <= x["step_ms"] <= x["step_ms_p90"] and x["enqueue_ms"] > 0
-    assert x["device_ms"] is None  # no GPU profile on CPU
+    assert x["prefill_tokens_per_s"] == pytest.approx(1 * 4 / (x["prefill_ms"] * 1e-3))
+    # No GPU profile on CPU, no peaks measured: no kernel times, no roofline fractions.
+    assert x["device_ms"] is None and x["prefill_device_ms"] is None
+    assert x["roofline_frac"] is None and x["prefill_roofline_frac"] is None
+  assert r["peaks"] is None and "no roofline fractions on cpu" in out.out
   # The fused prepare_attn / prepare_mlp (and MLA's dual norm) drop kernels in every layer.
   saved = paths["unfused"]["kernels"]["total"] - paths["fused"]["kernels"]["total"]
   assert saved > 0 and r["kernels_saved_per_step"] == saved
   assert r["kernels_saved_per_layer"] == saved / r["layers"]
-  # The table's columns are the JSON's keys.
-  head = next(line.split() for line in out.out.splitlines() if line.split()[:1] == ["path"])
-  assert {k for k in head if k not in ("path", "step_ms_p10-p90")} <= (
+  # The tables' columns are the JSON's keys.
+  heads = [line.split() for line in out.out.splitlines() if line.split()[:1] == ["path"]]
+  assert len(heads) == 2 and {k for head in heads for k in head
+                              if k not in ("path", "step_ms_p10-p90")} <= (
       set(paths["fused"]) | set(paths["fused"]["kernels"]))
   assert set(r["ratios"]) == {"fused/bf16", "unfused/bf16", "fused/unfused"}
   # One set of weights: FP8 is a small perturbation of bf16, not another random draw.
@@ -88,20 +94,46 @@ def test_table_of_a_gpu_run():
   """A GPU run's table (the CPU suite cannot make one): kernel times, who sets the pace, no
   CPU caveats."""
   kernels = dict(total=180, fusion=150, **{"custom-call": 30}, collective=0, other=0)
-  path = dict(compile_s=1.0, prefill_ms=2.0, step_ms=1.1, step_ms_p10=1.0, step_ms_p90=1.2,
-              enqueue_ms=0.5, device_ms=1.0, tokens_per_s=900.0, kernels=kernels)
+  path = dict(compile_s=1.0, prefill_ms=2.0, prefill_device_ms=1.5, prefill_tokens_per_s=8000.0,
+              prefill_roofline_frac=0.123, step_ms=1.1, step_ms_p10=1.0, step_ms_p90=1.2,
+              enqueue_ms=0.5, device_ms=1.0, tokens_per_s=900.0, roofline_frac=0.734,
+              kernels=kernels)
   r = dict(model="deepseek-v3-layers", platform="gpu", device="NVIDIA H200", tp=1, batch=1,
            prompt_len=16, layers=4, repeats=2, steps=8, steps_per_call=8,
+           peaks=dict(copy_tbps=4.28, bf16_tflops=717.8, fp8_tflops=1435.6),
            paths={"unfused": dict(path, step_ms=1.2, kernels=dict(kernels, total=196)),
                   "fused": path},
            ratios={"fused/unfused": dict(ratio=1.1 / 1.2, within_noise=False)},
            kernels_saved_per_step=16, kernels_saved_per_layer=4.0, numerics={})
   text = runner.table(r)
+  assert ("roofline peaks, measured on this device: copy 4.28 TB/s, XLA bf16 dot 718 TFLOP/s, "
+          "FP8 taken as 1436") in text
+  rows = [line.split() for line in text.splitlines() if line.split()[:1] == ["fused"]]
+  assert rows[0][-2:] == ["8000.0", "0.123"] and "0.734" in rows[1] and "-" not in rows[1]
   assert "fused: a step's wall time is 1.10x its kernel time; enqueueing it takes the host 0.50x" \
       " the kernel time (the GPU sets the pace)" in text
   assert "step time fused/unfused: 0.917x, fused 1.09x faster than unfused" in text
   assert "the fused path launches 16 fewer, 4.00 a layer on average over its 4 layers" in text
   assert "CPU" not in text
+
+
+def test_rooflines_hold_kernel_times_to_the_floors():
+  """A path's fractions (the CPU suite measures no peaks): `models.cost`'s floors at the run's
+  peaks, the prefill's logits at every position, over its kernel times; none without peaks or
+  without that kernel time."""
+  model = runner.build("deepseek-v3-tiny").path("fused")
+  cache = jax.eval_shape(lambda: runner.new_cache(model, 2, 20))
+  peaks = dict(copy_tbps=4.0, bf16_tflops=800.0, fp8_tflops=1600.0)
+  x = dict(prefill_device_ms=0.5, device_ms=0.25)
+  got = runner.rooflines(model, x, peaks, 2, 16, cache)
+  proj, attn = cost.prefill_flops(model, 2, 16, logits="all")
+  assert got["prefill_roofline_frac"] == pytest.approx((proj / 1600e12 + attn / 800e12) / 5e-4)
+  read = cost.weight_bytes(model, 2) + cost.cache_bytes(cache)
+  assert got["roofline_frac"] == pytest.approx(read / 4e12 / 2.5e-4)
+  assert runner.rooflines(model, x, None, 2, 16, cache) == dict(prefill_roofline_frac=None,
+                                                                roofline_frac=None)
+  assert runner.rooflines(model, dict(x, device_ms=None), peaks, 2, 16,
+                          cache)["roofline_frac"] is None
 
 
 def test_out_names_a_file_or_a_folder(tmp_path):
@@ -224,6 +256,7 @@ def test_run_tensor_parallel_reports_strategy(tmp_path):
   r = json.loads(out.read_text())
   assert r["allreduce_strategy"] == "fused" and r["paths"]["fused"]["kernels"]["collective"] > 0
   assert list(r["paths"]) == ["fused"] and r["numerics"] == {}
+  assert r["peaks"] is None and r["paths"]["fused"]["roofline_frac"] is None
 
 
 @pytest.mark.parametrize("preset,tp", [("deepseek-v3-tiny", 1), ("deepseek-v3-tiny", 2),
