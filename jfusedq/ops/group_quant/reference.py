@@ -19,8 +19,9 @@ def group_quant(y: jax.Array, fmt: Fp8Format, *, group_size: int = BLOCK, layout
   """Quantise `y [..., K]` in groups of `group_size` consecutive columns.
 
   For each group: `amax = max(max|y|, 1e-10)`, `scale = amax * f32(1 / fp8_max)` (rounded up
-  to a power of two if `ue8m0`), `q = fp8(clamp(y * (1/scale), -fp8_max, fp8_max))`. A last partial group
-  covers its real columns only. A group holding a NaN or +-inf gets scale NaN, hence NaN codes.
+  to a power of two if `ue8m0`), `q = fp8(clamp(y * (1/scale), -fp8_max, fp8_max))`. A last
+  partial group covers its real columns only. A group holding a NaN or +-inf gets scale NaN,
+  hence NaN codes.
   """
   y = y.astype(jnp.float32)
   *lead, k = y.shape
