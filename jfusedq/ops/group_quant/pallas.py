@@ -114,14 +114,7 @@ def _scale(amax, fmt: Fp8Format, ue8m0: bool):
 
 def _finite_scale(amax, fmt: Fp8Format, ue8m0: bool):
   scale = amax * fmt.inv_max
-  if not ue8m0:
-    return scale
-  # Triton's f32 division is approximate (a few ulps): a quotient that is exactly a power of
-  # two (amax = 1.75 * 2**j is common in bf16) could land one ulp above it and double the
-  # scale. Products with powers of two are exact, so correct the power-of-two guess with them.
-  scale = pow2_ceil_bits(scale)
-  scale = jnp.where(scale * 0.5 * fmt.max >= amax, scale * 0.5, scale)
-  return jnp.where(scale * fmt.max < amax, scale * 2.0, scale)
+  return pow2_ceil_bits(scale) if ue8m0 else scale
 
 
 def _encode(y, scale, fmt: Fp8Format):
