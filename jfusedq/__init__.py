@@ -7,7 +7,7 @@ from jfusedq.ops.attention import attention
 from jfusedq.ops.fp8_matmul import fp8_matmul, grouped_fp8_matmul
 from jfusedq.ops.group_quant import group_quant
 from jfusedq.ops.mla_decode import mla_decode
-from jfusedq.ops.ragged_fp8_matmul import ragged_fp8_matmul, ragged_matmul
+from jfusedq.ops.ragged_fp8_matmul import ragged_fp8_matmul, ragged_matmul, ragged_swiglu
 from jfusedq.ops.rmsnorm import RmsNormOutput, rmsnorm
 from jfusedq.ops.rmsnorm_quant import RmsNormQuantOutput, rmsnorm_quant
 from jfusedq.parallel import (allreduce_rmsnorm_quant, allreduce_rmsnorm_quant_sharded,
@@ -37,6 +37,7 @@ __all__ = [
     "mla_decode",
     "ragged_fp8_matmul",
     "ragged_matmul",
+    "ragged_swiglu",
     "reduce_scatter_rmsnorm_quant",
     "rmsnorm",
     "rmsnorm_quant",

@@ -10,11 +10,12 @@ Two formulations, picked at trace time by shape:
   gathered  (FP8, M * k < E: decode) a product per pair, each reading its pair's expert in
             place (`grouped_fp8_matmul`); a step reads only the chosen experts' weights.
   sorted    (otherwise, and always in bf16) the M * k pairs sorted by expert (a stable argsort:
-            ties keep token order), `group_sizes` counted by expert; gate and up as ragged
-            products reading each pair's token row in place, `act`, the down product on the
-            sorted hidden rows, then the rows back in pair order and mixed by w. Expert weights
-            are read in place (no gathered copy) and no expert computes a token it was not
-            picked for.
+            ties keep token order), `group_sizes` counted by expert; gate and up reading each
+            pair's token row in place, `act`, the down product on the sorted hidden rows, then
+            the rows back in pair order and mixed by w. FP8: gate, up, `act` and the hidden's
+            quantisation in one kernel (`ragged_swiglu`); bf16: two ragged products, then
+            `act`. Expert weights are read in place (no gathered copy) and no expert computes
+            a token it was not picked for.
 Expert ids outside [0, E) count for no group: their pairs give zero rows, never another expert's
 output.
 """
@@ -30,29 +31,23 @@ from flax import nnx
 
 from jfusedq.fp8 import QuantizedActivation
 from jfusedq.nn import StackedLinear
-from jfusedq.ops import _common
+from jfusedq.ops import _common, _dispatch
 from jfusedq.ops.fp8_matmul import activation_format, scale_layout
 from jfusedq.ops.group_quant import group_quant
-
-
-def silu_mul(dtype) -> Callable:
-  """`(silu(g) * u)` in f32 from the projections' outputs, rounded once to dtype (DeepSeek-V3)."""
-  return lambda g, u: (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dtype)
-
-
-def silu_round_mul(dtype) -> Callable:
-  """`silu(g)` rounded to dtype, times u in dtype (Hugging Face's Qwen3.5 experts)."""
-  return lambda g, u: (jax.nn.silu(g.astype(jnp.float32)).astype(dtype) * u).astype(dtype)
+from jfusedq.ops.ragged_fp8_matmul import ragged_swiglu
+from jfusedq.ops.ragged_fp8_matmul.reference import swiglu
 
 
 class Experts(nnx.Module):
   """E routed SwiGLU experts, weights stacked as Hugging Face lays them out: `gate_proj` and
   `up_proj` `[E, I, H]`, `down_proj` `[E, H, I]` (FP8 with 128 x 128 block scales when `fmt`
   is given). Under tensor parallelism I is split (gate/up column-, down row-parallel): the
-  output is a partial sum. Formulas in the module docstring."""
+  output is a partial sum. `act`: the activation's rounding, "silu_mul" (DeepSeek-V3) or
+  "silu_round_mul" (Hugging Face's Qwen3.5), as `ragged_fp8_matmul.reference.swiglu`. Formulas
+  in the module docstring."""
 
   def __init__(self, num: int, hidden: int, intermediate: int, *, fmt, ue8m0: bool, dtype,
-               param_dtype, act: Callable, implementation=None,
+               param_dtype, act: str, implementation=None,
                kernel_init: Callable | None = None, rngs: nnx.Rngs):
     kw = dict(fmt=fmt, ue8m0=ue8m0, dtype=dtype, param_dtype=param_dtype,
               implementation=implementation, rngs=rngs)
@@ -83,7 +78,8 @@ class Experts(nnx.Module):
 
   def _gathered(self, x, ids):
     x = x.with_layout("row") if isinstance(x, QuantizedActivation) else x
-    h = self.act(self.gate_proj.gathered(x, ids), self.up_proj.gathered(x, ids))
+    h = swiglu(self.gate_proj.gathered(x, ids), self.up_proj.gathered(x, ids), self.act,
+               self.dtype)
     return self.down_proj.gathered(h, ids, batched=True)
 
   def _sorted(self, x, ids):
@@ -101,7 +97,15 @@ class Experts(nnx.Module):
       x = group_quant(x, fmt=activation_format(self.gate_proj.weight.dtype),
                       ue8m0=self.gate_proj.ue8m0, layout=scale_layout(m),
                       implementation=self.gate_proj.implementation)
-    h = self.act(self.gate_proj.ragged(x, sizes, rows), self.up_proj.ragged(x, sizes, rows))
+    if self.takes_fp8:
+      g, u = self.gate_proj, self.up_proj
+      h = ragged_swiglu(x, g.weight[...], g.weight_scale_inv[...], u.weight[...],
+                        u.weight_scale_inv[...], sizes, rows=rows, act=self.act,
+                        dtype=self.dtype, ue8m0=self.down_proj.ue8m0,
+                        implementation=_dispatch.among("ragged_swiglu", g.implementation))
+    else:
+      h = swiglu(self.gate_proj.ragged(x, sizes, rows), self.up_proj.ragged(x, sizes, rows),
+                 self.act, self.dtype)
     y = self.down_proj.ragged(h, sizes)  # [M * k, H], sorted pairs
     # Back to pair order: the inverse permutation gathers rows (an index scatter, no row one).
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(m * k, dtype=order.dtype))

@@ -68,7 +68,7 @@ from jfusedq.ops import _dispatch
 from jfusedq.ops.group_quant import group_quant
 from jfusedq.ops.mla_decode import mla_decode
 from models.common import Options, is_fp8, prepare, write_cache
-from models.common.moe import Experts, silu_mul
+from models.common.moe import Experts
 from models.deepseek_v3.config import DeepseekV3Config
 from models.deepseek_v3.rope import apply_rope, softmax_scale
 
@@ -166,7 +166,7 @@ class MoE(nnx.Module):
     fmt = opts.quant.fmt if opts.quantizes(f"{name}.experts") else None
     self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                            fmt=fmt, ue8m0=opts.ue8m0, dtype=opts.dtype,
-                           param_dtype=opts.param_dtype, act=silu_mul(opts.dtype),
+                           param_dtype=opts.param_dtype, act="silu_mul",
                            implementation=opts.implementation, rngs=rngs)
     self.shared_experts = (
         MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,

@@ -48,7 +48,7 @@ from jfusedq.ops.attention import Prefix, attention
 from jfusedq.ops.gated_delta_rule import gated_delta_rule
 from jfusedq.ops.rmsnorm_quant.reference import rmsnorm as rmsnorm_f32
 from models.common import MLP, Options, prepare, rotate_half_rope, write_cache
-from models.common.moe import Experts, silu_round_mul
+from models.common.moe import Experts
 from models.qwen3_5.config import GDN, Qwen35Config
 
 CHUNK = 64  # chunk length of the prefill gated delta rule (HF and fla use 64)
@@ -253,7 +253,7 @@ class SparseMoe(nnx.Module):
               for p in ("gate_proj", "up_proj", "down_proj"))
     self.experts = Experts(e, h, inter, fmt=opts.quant.fmt if fp8 else None, ue8m0=opts.ue8m0,
                            dtype=opts.dtype, param_dtype=opts.param_dtype,
-                           act=silu_round_mul(opts.dtype), implementation=opts.implementation,
+                           act="silu_round_mul", implementation=opts.implementation,
                            kernel_init=nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2,
                                                                      batch_axis=(0,)),
                            rngs=rngs)

@@ -9,7 +9,7 @@ from flax import nnx
 
 from jfusedq import Fp8Format
 from models import registry
-from models.common.moe import Experts, silu_mul
+from models.common.moe import Experts
 from models.presets import DEEPSEEK_V3_TINY, QWEN3_5_TINY
 
 # (preset, its expert-count key): the tiny presets with 8 experts and with 16x as many.
@@ -38,7 +38,7 @@ def test_prefill_cost_independent_of_expert_count(name, fp8):
 
 def experts(fp8: bool, e: int = 6) -> Experts:
   return Experts(e, 256, 128, fmt=Fp8Format.e4m3fn() if fp8 else None, ue8m0=False,
-                 dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, act=silu_mul(jnp.bfloat16),
+                 dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, act="silu_mul",
                  rngs=nnx.Rngs(3))
 
 

@@ -1,7 +1,8 @@
-"""ragged_fp8_matmul / ragged_matmul: every implementation against the f32 reference over
-routings (uniform, skewed, empty experts, everything on one expert, rows past the groups),
-gathered rows, odd shapes, both formats and scale layouts; the tile map; errors; the XLA path's
-cost against the expert count."""
+"""ragged_fp8_matmul / ragged_matmul / ragged_swiglu: every implementation against the f32
+reference over routings (uniform, skewed, empty experts, everything on one expert, rows past
+the groups), gathered rows, odd shapes, both formats and scale layouts; the fused SwiGLU
+against its unfused steps; the tile map; errors; the XLA path's cost against the expert
+count."""
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +11,12 @@ import pytest
 
 from helpers import FORMATS, TRITON, activations, experts, rng
 from helpers import assert_gemm_close as assert_close
-from jfusedq import default_format, fp8_matmul, group_quant, ragged_fp8_matmul, ragged_matmul
-from jfusedq.errors import InputError
+from jfusedq import (default_format, fp8_matmul, group_quant, ragged_fp8_matmul, ragged_matmul,
+                     ragged_swiglu)
+from jfusedq.errors import DTypeError, InputError
+from jfusedq.ops.fp8_matmul.pallas import Config
 from jfusedq.ops.ragged_fp8_matmul import reference, tiles, xla
+from jfusedq.testing import rel_rms
 from jfusedq.testing import EDGE_PROJECTIONS
 
 IMPLS = ("xla", TRITON)
@@ -98,6 +102,119 @@ class TestEveryImplementation:
     rows = jnp.asarray(r.integers(0, m, m), jnp.int32)
     got = ragged_matmul(x, w, sizes, rows=rows, implementation=impl)
     assert_close(got, reference.ragged_matmul(x, w, sizes, rows))
+
+
+def pairs(key, t, topk, e):
+  """(rows, group_sizes) of t tokens routed to topk distinct experts each, sorted by expert."""
+  idx = np.stack([rng(key, i).permutation(e)[:topk] for i in range(t)])
+  order = np.argsort(idx.reshape(-1), kind="stable")
+  sizes = np.bincount(idx.reshape(-1), minlength=e)
+  return jnp.asarray(order // topk, jnp.int32), jnp.asarray(sizes, jnp.int32)
+
+
+def assert_hidden_close(got, want, codes=0.02):
+  """The hidden's codes and scales: the products' f32 sums in another order move a bf16
+  rounding of g or u (2**-9) now and then, and with it a code by a step, rarely a group's
+  amax; a wrong block, expert or row is O(1) off in the RMS."""
+  assert got.q.shape == want.q.shape and got.q.dtype == want.q.dtype
+  assert got.scale.shape == want.scale.shape and got.layout == want.layout == "row"
+  g, w = np.asarray(got.dequantize(), np.float64), np.asarray(want.dequantize(), np.float64)
+  assert np.all(np.isfinite(g))
+  assert rel_rms(g, w) <= 2e-2, rel_rms(g, w)
+  assert np.mean(np.asarray(got.q, np.float32) != np.asarray(want.q, np.float32)) <= codes
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+class TestSwiglu:
+
+  @pytest.mark.parametrize("route,act", [("uniform", "silu_mul"), ("skewed", "silu_round_mul"),
+                                         ("one_expert", "silu_round_mul"), ("tail", "silu_mul")])
+  @pytest.mark.parametrize("m,e,n,k", [(1, 5, 256, 384), (37, 6, PARTIAL_N, PARTIAL_K),
+                                       (200, 3, 384, 256)])
+  def test_routings_and_shapes(self, impl, route, act, m, e, n, k):
+    (wg, sg), (wu, su) = (experts((p, m, e, n, k), e, n, k) for p in "gu")
+    x = activations(rng("sx", m, k), (m, k))
+    sizes = routing(("sr", route, m), route, m, e)
+    got = ragged_swiglu(x, wg, sg, wu, su, sizes, act=act, implementation=impl)
+    qa = group_quant(x, fmt="e4m3fn", implementation="xla")
+    want = reference.ragged_swiglu(qa, wg, sg, wu, su, sizes, None, act, jnp.bfloat16,
+                                   FORMATS["e4m3fn"], False)
+    assert_hidden_close(got, want)
+    if route == "tail":  # rows past the groups: zero products, zero codes
+      assert not np.any(np.asarray(got.q, np.float32)[int(sizes.sum()):])
+
+  @pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
+  @pytest.mark.parametrize("layout", ["row", "col"])
+  def test_gathered_rows_formats_layouts_ue8m0(self, impl, fmt, layout):
+    skip_fnuz(impl, fmt)
+    t, topk, e, n, k = 13, 3, 7, 384, 640
+    (wg, sg), (wu, su) = (experts(("sg", p, fmt), e, n, k, fmt) for p in "gu")
+    x = activations(rng("sgx", fmt), (t, k))
+    rows, sizes = pairs("sgi", t, topk, e)
+    for ue8m0 in (False, True):
+      qa = group_quant(x, fmt=FORMATS[fmt], layout=layout, ue8m0=ue8m0, implementation="xla")
+      got = ragged_swiglu(qa, wg, sg, wu, su, sizes, rows=rows, act="silu_round_mul",
+                          ue8m0=ue8m0, implementation=impl)
+      want = reference.ragged_swiglu(qa, wg, sg, wu, su, sizes, rows, "silu_round_mul",
+                                     jnp.bfloat16, FORMATS[fmt], ue8m0)
+      assert_hidden_close(got, want)
+      if ue8m0:
+        s = np.asarray(got.scale)
+        np.testing.assert_array_equal(s, 2.0 ** np.round(np.log2(s)))
+
+  def test_fused_equals_unfused(self, impl):
+    """The fused op against its steps as the unfused layer runs them: both products through
+    `ragged_fp8_matmul` at the same tiling, `swiglu`, then `group_quant`. Same products and
+    roundings; what may differ is the sigmoid's last f32 bit (the kernel's exp against
+    XLA's), which moves a bf16 rounding of the hidden now and then."""
+    t, topk, e, n, k = 29, 4, 9, 256, 512
+    (wg, sg), (wu, su) = (experts(("fu", p), e, n, k) for p in "gu")
+    x = activations(rng("fux"), (t, k))
+    rows, sizes = pairs("fui", t, topk, e)
+    cfg = Config(16, 128, 1, num_warps=4, num_stages=3) if impl == "triton" else None
+    kw = dict(rows=rows, implementation=impl)
+    for act in ("silu_mul", "silu_round_mul"):
+      got = ragged_swiglu(x, wg, sg, wu, su, sizes, act=act, config=cfg, **kw)
+      g, u = (ragged_fp8_matmul(x, w, s, sizes, config=cfg, **kw) for w, s in ((wg, sg),
+                                                                              (wu, su)))
+      h = reference.swiglu(g, u, act, jnp.bfloat16)
+      want = group_quant(h, fmt="e4m3fn", implementation="xla")
+      np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want.scale))
+      same = np.mean(np.asarray(got.q, np.float32) == np.asarray(want.q, np.float32))
+      assert same >= 0.999, same
+
+  def test_determinism_and_f32_hidden(self, impl):
+    t, topk, e, n, k = 20, 2, 4, 128, 256
+    (wg, sg), (wu, su) = (experts(("df", p), e, n, k) for p in "gu")
+    x = activations(rng("dfx"), (t, k))
+    rows, sizes = pairs("dfi", t, topk, e)
+    f = jax.jit(lambda x: ragged_swiglu(x, wg, sg, wu, su, sizes, rows=rows, dtype=jnp.float32,
+                                        implementation=impl))
+    a, b = f(x), f(x)
+    np.testing.assert_array_equal(np.asarray(a.q, np.float32), np.asarray(b.q, np.float32))
+    np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(b.scale))
+    want = reference.ragged_swiglu(group_quant(x, fmt="e4m3fn", implementation="xla"), wg, sg,
+                                   wu, su, sizes, rows, "silu_mul", jnp.float32,
+                                   FORMATS["e4m3fn"], False)
+    assert_hidden_close(a, want)
+
+
+def test_swiglu_errors():
+  (wg, sg), (wu, su) = (experts(("se", p), 3, 256, 256) for p in "gu")
+  x = activations(rng("se_x"), (4, 256))
+  sizes = jnp.asarray([1, 2, 1], jnp.int32)
+  with pytest.raises(InputError, match="act must be"):
+    ragged_swiglu(x, wg, sg, wu, su, sizes, act="gelu")
+  with pytest.raises(InputError, match="gate and up must match"):
+    ragged_swiglu(x, wg, sg, wu[:, :128], su[:, :1], sizes)
+  with pytest.raises(InputError, match="block_n=128"):
+    ragged_swiglu(x, wg, sg, wu, su, sizes, config=Config(16, 64, 1))
+  with pytest.raises(InputError, match="k_splits=1"):
+    ragged_swiglu(x, wg, sg, wu, su, sizes, config=Config(16, 128, 2))
+  with pytest.raises(DTypeError, match="dtype"):
+    ragged_swiglu(x, wg, sg, wu, su, sizes, dtype=jnp.int32)
+  with pytest.raises(InputError, match="group_sizes has 2 groups"):
+    ragged_swiglu(x, wg, sg, wu, su, sizes[:2])
 
 
 def test_tile_map_covers_every_row_once():

@@ -36,18 +36,22 @@ GROUP_M = 8  # row blocks per L2 group
 @_triton.jit
 def scaled_dot(a_ptrs, w_ptrs, sa_ptr, sa_step, sa_offs, sw_row, m_ok, n_ok, first, last,
                K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               SWAP: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr = True):
+               SWAP: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr = True,
+               w2_ptrs=None, sw2_row=None, PAIR: tl.constexpr = False):
   """The main loop over K blocks first .. last - 1 -> f32 `[BLOCK_M, BLOCK_N]`: one dot a
   block, times (SCALED: fp8 operands) the activation rows' scales (`sa_ptr + block * sa_step +
   sa_offs`, masked by `m_ok`) and the weight block's scalar scale (`sw_row + block`); without
   SCALED (bf16 operands) the scale pointers are not read. `a_ptrs` / `w_ptrs` point at the
-  first block's `[BLOCK_M, BK]` / `[BLOCK_N, BK]` tiles, rows masked by m_ok / n_ok."""
+  first block's `[BLOCK_M, BK]` / `[BLOCK_N, BK]` tiles, rows masked by m_ok / n_ok.
+  PAIR: a second weight (`w2_ptrs`, `sw2_row`, laid out as the first) against the same
+  activation tile, each block loaded once for both: -> (acc, acc2)."""
   KB: tl.constexpr = (K + BK - 1) // BK
   rk = tl.arange(0, BK)
   if SWAP:
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
   else:
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+  acc2 = acc
   # Scales are loaded one K block ahead (a loop-carried load), so their read overlaps a
   # block's MMA instead of preceding it: 0.4-8% faster with row-layout scales than loading
   # them in their step (M = 1 / 16 / 64). Column-layout scales ([KB, M]) of each block lie in a
@@ -59,6 +63,11 @@ def scaled_dot(a_ptrs, w_ptrs, sa_ptr, sa_step, sa_offs, sw_row, m_ok, n_ok, fir
     s_a_next = tl.load(sa_ptr + tl.minimum(first, KB - 1) * sa_step + sa_offs, mask=m_ok,
                        other=0.0)
     s_w_next = tl.load(sw_row + tl.minimum(first, KB - 1))
+    s_w2_next = s_w_next
+    if PAIR:
+      s_w2_next = tl.load(sw2_row + tl.minimum(first, KB - 1))
+  else:
+    s_a_next, s_w_next, s_w2_next = 1.0, 1.0, 1.0  # not read
   for b in range(first, last):
     if K % BK == 0:
       a_mask = m_ok[:, None]
@@ -69,24 +78,41 @@ def scaled_dot(a_ptrs, w_ptrs, sa_ptr, sa_step, sa_offs, sw_row, m_ok, n_ok, fir
       w_mask = n_ok[:, None] & k_ok[None, :]
     a = tl.load(a_ptrs + b * BK, mask=a_mask, other=0.0)
     w = tl.load(w_ptrs + b * BK, mask=w_mask, other=0.0)
-    # fp8 x fp8 -> f32 on the tensor cores, both operands straight from shared memory; w is
-    # [N, K], so its transpose is K-major as the fp8 MMA wants it (and a's, when swapped).
+    s_a, s_w, s_w2 = s_a_next, s_w_next, s_w2_next
     if SCALED:
-      s_a, s_w = s_a_next, s_w_next
       nxt = tl.minimum(b + 1, KB - 1)
       s_a_next = tl.load(sa_ptr + nxt * sa_step + sa_offs, mask=m_ok, other=0.0)
       s_w_next = tl.load(sw_row + nxt)
-      if SWAP:
-        acc += tl.dot(w, tl.trans(a)) * (s_w * s_a[None, :])
-      else:
-        acc += tl.dot(a, tl.trans(w)) * (s_a[:, None] * s_w)
-    elif SWAP:
-      acc += tl.dot(w, tl.trans(a))
-    else:
-      acc += tl.dot(a, tl.trans(w))
+      if PAIR:
+        s_w2_next = tl.load(sw2_row + nxt)
+    acc = _block(acc, a, w, s_a, s_w, SWAP, SCALED)
+    if PAIR:
+      w2 = tl.load(w2_ptrs + b * BK, mask=w_mask, other=0.0)
+      acc2 = _block(acc2, a, w2, s_a, s_w2, SWAP, SCALED)
   if SWAP:
     acc = tl.trans(acc)
-  return acc
+    acc2 = tl.trans(acc2)
+  if PAIR:
+    out = acc, acc2
+  else:
+    out = acc
+  return out
+
+
+@_triton.jit
+def _block(acc, a, w, s_a, s_w, SWAP: tl.constexpr, SCALED: tl.constexpr):
+  """acc + one K block's product: fp8 x fp8 -> f32 on the tensor cores, both operands straight
+  from shared memory (w is [N, K], so its transpose is K-major as the fp8 MMA wants it, and
+  a's when swapped), times the rows' and the weight block's scales (SCALED)."""
+  if SWAP:
+    d = tl.dot(w, tl.trans(a))
+    if SCALED:
+      d = d * (s_w * s_a[None, :])
+  else:
+    d = tl.dot(a, tl.trans(w))
+    if SCALED:
+      d = d * (s_a[:, None] * s_w)
+  return acc + d
 
 
 @_triton.jit

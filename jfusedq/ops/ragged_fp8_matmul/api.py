@@ -7,18 +7,20 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jfusedq.errors import InputError, check_range
-from jfusedq.fp8 import QuantizedActivation
+from jfusedq.errors import DTypeError, InputError, check_range
+from jfusedq.fp8 import BLOCK, QuantizedActivation
 from jfusedq.ops import _common
 from jfusedq.ops import _dispatch
 from jfusedq.ops._dispatch import declare, dispatch
 from jfusedq.ops.fp8_matmul import api as fp8_api
 from jfusedq.ops.fp8_matmul.pallas import Config
 from jfusedq.ops.ragged_fp8_matmul import triton, xla
+from jfusedq.ops.ragged_fp8_matmul.reference import ACTIVATIONS
 
 IMPLEMENTATIONS = ("triton", "xla")
 declare("ragged_fp8_matmul", IMPLEMENTATIONS)
 declare("ragged_matmul", IMPLEMENTATIONS)
+declare("ragged_swiglu", IMPLEMENTATIONS)
 
 
 def ragged_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
@@ -103,6 +105,71 @@ def ragged_matmul(a: jax.Array, weight: jax.Array, group_sizes: jax.Array, *,
   backends = {"triton": kernel,
               "xla": lambda: xla.ragged_matmul(a, weight, group_sizes, rows, out_dtype)}
   return dispatch("ragged_matmul", backends, implementation)
+
+
+def ragged_swiglu(a: jax.Array | QuantizedActivation, gate: jax.Array, gate_scale: jax.Array,
+                  up: jax.Array, up_scale: jax.Array, group_sizes: jax.Array, *,
+                  rows: jax.Array | None = None, act: str = "silu_mul", dtype=jnp.bfloat16,
+                  ue8m0: bool = False, implementation: str | Sequence[str] | None = None,
+                  config: Config | None = None) -> QuantizedActivation:
+  """The MoE experts' gate and up products, their activation and the hidden's quantisation in
+  one kernel: `h[r] = swiglu(a[rows[r]] @ G[e(r)]^T, a[rows[r]] @ U[e(r)]^T)`, quantised per
+  1 x 128 group for the down product.
+
+  Rows and groups as `ragged_fp8_matmul`'s; both products are its products (the same block
+  scales, f32 per K block), computed by one kernel that reads each activation block once for
+  both weights; each is rounded to `dtype` as a projection would output it, then `act`
+  (`reference.swiglu`: "silu_mul", DeepSeek-V3's rounding, or "silu_round_mul", Qwen3.5's),
+  then the hidden, in dtype, is quantised to the weights' format as `group_quant` does (row
+  scales, the layout the ragged down product reads). Neither the `[M, 2N]` products nor the
+  bf16 hidden is written to memory.
+
+  Args:
+    a: `[T, K]` bf16/f16/f32 (quantised per 1 x 128 group first) or a QuantizedActivation.
+    gate, up: `[E, N, K]` fp8 (one format), scales `[E, ceil(N/128), ceil(K/128)]` f32.
+    group_sizes, rows: as `ragged_fp8_matmul`.
+    act: "silu_mul" or "silu_round_mul". dtype: the products' and the hidden's rounding.
+    ue8m0: power-of-two scales for both quantisations (of `a` if bf16, and of the hidden).
+    implementation: "triton", "xla", a sequence tried in order, or None (Triton then XLA on a
+      GPU, XLA elsewhere).
+    config: the Triton tiling (`pallas.Config` with block_n 128 and no K split: the epilogue
+      quantises whole 128-column groups of whole sums; default `triton.swiglu_config`).
+  Returns:
+    QuantizedActivation: codes `[M, N]`, scales `[M, ceil(N/128)]` (layout "row").
+  """
+  n, k = fp8_api._check_weight(gate, gate_scale, stacked=True)
+  fp8_api._check_weight(up, up_scale, stacked=True)
+  if up.shape != gate.shape or up.dtype != gate.dtype:
+    raise InputError(f"gate and up must match: gate {gate.dtype}{list(gate.shape)}, up "
+                     f"{up.dtype}{list(up.shape)}")
+  if act not in ACTIVATIONS:
+    raise InputError(f"act must be one of {ACTIVATIONS}, got {act!r}")
+  if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize > 4:
+    raise DTypeError(f"dtype must be bfloat16, float16 or float32, got {jnp.dtype(dtype)}")
+  if config is not None and (config.block_n != BLOCK or config.k_splits != 1):
+    raise InputError(f"ragged_swiglu needs block_n={BLOCK} and k_splits=1 (its epilogue "
+                     f"quantises whole groups of whole sums), got {config}")
+  e = gate.shape[0]
+  implementation = _dispatch.requested("ragged_swiglu", implementation)
+  qa = fp8_api._quantized(a, gate, k, implementation, ue8m0, "row")
+  m = _check_rows(qa.q, rows)
+  _check_groups(gate, group_sizes, m)
+  fmt = fp8_api.activation_format(gate.dtype)
+
+  def kernel():
+    if m == 0:
+      return QuantizedActivation(jnp.zeros((0, n), fmt.dtype),
+                                 jnp.zeros((0, -(-n // BLOCK)), jnp.float32), group_size=BLOCK)
+    fp8_api._check_kernel(gate, config, triton)
+    cfg = config or triton.swiglu_config(m, n, k, e)
+    q, scale = triton.ragged_swiglu(qa.q, qa.scale, qa.layout, gate, gate_scale, up, up_scale,
+                                    group_sizes, rows, cfg, act, dtype, fmt, ue8m0)
+    return QuantizedActivation(q, scale, group_size=BLOCK)
+
+  backends = {"triton": kernel,
+              "xla": lambda: xla.ragged_swiglu(qa, gate, gate_scale, up, up_scale, group_sizes,
+                                               rows, act, dtype, fmt, ue8m0)}
+  return dispatch("ragged_swiglu", backends, implementation)
 
 
 def _check_groups(weight, group_sizes, m: int) -> None:

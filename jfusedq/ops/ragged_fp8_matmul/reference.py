@@ -5,6 +5,10 @@ Rows sorted by group: row r of the (gathered) activation belongs to group e whil
 rows past the last group are zero (`jax.lax.ragged_dot`'s convention). Computed with
 `jax.lax.ragged_dot` on the dequantised operands at the highest precision, which XLA on CPU
 evaluates densely (every group on every row): a reference for tests, not a path to run.
+
+`ragged_swiglu` is the MoE experts' first half: the gate and up products of the same rows, the
+experts' activation on them (`swiglu`), and the hidden quantised per 1 x 128 group for the down
+product.
 """
 
 from __future__ import annotations
@@ -12,8 +16,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jfusedq.fp8 import QuantizedActivation
+from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
+from jfusedq.ops.group_quant.reference import group_quant
+
+ACTIVATIONS = ("silu_mul", "silu_round_mul")
+
+
+def swiglu(g: jax.Array, u: jax.Array, act: str, dtype) -> jax.Array:
+  """The experts' activation on the gate and up products, each first rounded to dtype (as the
+  projections output them): "silu_mul" `silu(g) * u` in f32, rounded once (DeepSeek-V3);
+  "silu_round_mul" `silu(g)` rounded to dtype, times u, rounded (Hugging Face's Qwen3.5
+  experts). `silu(x) = x * sigmoid(x)`."""
+  g, u = (v.astype(dtype).astype(jnp.float32) for v in (g, u))
+  s = jax.nn.silu(g)
+  if act == "silu_round_mul":
+    s = s.astype(dtype).astype(jnp.float32)
+  return (s * u).astype(dtype)
 
 
 def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array, rows, out_dtype) -> jax.Array:
@@ -40,3 +59,13 @@ def ragged_matmul(a: jax.Array, w: jax.Array, group_sizes: jax.Array,
   """The high-precision product: `a [T, K]`, `w [E, N, K]` -> `[M, N]`, in f32 from the
   operands as given."""
   return _ragged(a.astype(jnp.float32), w.astype(jnp.float32), group_sizes, rows, out_dtype)
+
+
+def ragged_swiglu(a: QuantizedActivation, gate: jax.Array, gate_scale: jax.Array, up: jax.Array,
+                  up_scale: jax.Array, group_sizes: jax.Array, rows: jax.Array | None, act: str,
+                  dtype, fmt: Fp8Format, ue8m0: bool) -> QuantizedActivation:
+  """`swiglu(a_rows @ gate_e^T, a_rows @ up_e^T)` per sorted row (products as
+  `ragged_fp8_matmul`'s, in dtype), quantised to `fmt` per 1 x 128 group, row scales."""
+  g = ragged_fp8_matmul(a, gate, gate_scale, group_sizes, rows, dtype)
+  u = ragged_fp8_matmul(a, up, up_scale, group_sizes, rows, dtype)
+  return group_quant(swiglu(g, u, act, dtype), fmt, group_size=BLOCK, ue8m0=ue8m0)

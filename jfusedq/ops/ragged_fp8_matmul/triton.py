@@ -21,9 +21,60 @@ from jfusedq._triton import tl
 from jfusedq.ops import _common
 from jfusedq.ops.fp8_matmul.pallas import BLOCK_K, Config
 from jfusedq.ops.fp8_matmul.triton import GROUP_M, scaled_dot
+from jfusedq.ops.group_quant.pallas import to_fp8
+from jfusedq.ops.group_quant.triton import quant_out_shapes, quant_params, store_quant
 from jfusedq.ops.ragged_fp8_matmul import tiles
 
 BF16_BLOCK_K = 64  # K per step for bf16 operands: a 128 x 128 tile's stage is then 32 KB
+
+
+@_triton.jit
+def _tile(rows_ptr, te_ptr, ts_ptr, tend_ptr, N: tl.constexpr, E: tl.constexpr,
+          TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          GATHER: tl.constexpr, GROUP_M: tl.constexpr):
+  """This program's tile: (pid_n, its expert as int64 (0 for the zero pseudo-group), whether
+  it runs the K loop, rows rm, columns rn, their masks, the source row of each)."""
+  GRID_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+  pid = tl.program_id(0)
+  group = pid // (GROUP_M * GRID_N)
+  first_t = group * GROUP_M
+  size_t = tl.minimum(TILES - first_t, GROUP_M)
+  tile = first_t + (pid % (GROUP_M * GRID_N)) % size_t
+  pid_n = (pid % (GROUP_M * GRID_N)) // size_t
+  expert = tl.load(te_ptr + tile)
+  start = tl.load(ts_ptr + tile)
+  end = tl.load(tend_ptr + tile)
+  rm = start + tl.arange(0, BLOCK_M)
+  rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+  m_ok, n_ok = rm < end, rn < N
+  src = tl.load(rows_ptr + rm, mask=m_ok, other=0) if GATHER else rm
+  # The zero pseudo-group (expert E) reads expert 0's pointers but runs no K block.
+  real = expert < E
+  e64 = tl.where(real, expert, 0).to(tl.int64)
+  return pid_n, e64, real & (start < end), rm, rn, m_ok, n_ok, src
+
+
+@_triton.jit
+def _activation(a_ptr, src, MA: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                A_COL: tl.constexpr):
+  """(pointers of the rows' first K block, scale step a block, scale offsets of the rows)."""
+  SKB: tl.constexpr = (K + 127) // 128
+  a_ptrs = a_ptr + src.to(tl.int64)[:, None] * K + tl.arange(0, BK)[None, :]
+  if A_COL:
+    sa_step, sa_offs = MA, src
+  else:
+    sa_step, sa_offs = 1, src * SKB
+  return a_ptrs, sa_step, sa_offs
+
+
+@_triton.jit
+def _weight(w_ptr, sw_ptr, e64, rn, pid_n, N: tl.constexpr, K: tl.constexpr,
+            BLOCK_N: tl.constexpr, BK: tl.constexpr):
+  """(pointers of expert e64's first K block at columns rn, its weight-scale row)."""
+  NB: tl.constexpr = (N + 127) // 128
+  SKB: tl.constexpr = (K + 127) // 128
+  w_ptrs = w_ptr + e64 * N * K + rn.to(tl.int64)[:, None] * K + tl.arange(0, BK)[None, :]
+  return w_ptrs, sw_ptr + e64 * NB * SKB + (pid_n * BLOCK_N // 128) * SKB
 
 
 @_triton.jit
@@ -34,41 +85,59 @@ def ragged_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, rows_ptr, te_ptr, ts_ptr, tend_p
                   GATHER: tl.constexpr, SCALED: tl.constexpr, SWAP: tl.constexpr,
                   GROUP_M: tl.constexpr, BK: tl.constexpr):
   KB: tl.constexpr = (K + BK - 1) // BK
-  NB: tl.constexpr = (N + 127) // 128
-  SKB: tl.constexpr = (K + 127) // 128
-  GRID_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-  pid, pid_k = tl.program_id(0), tl.program_id(1)
-  group = pid // (GROUP_M * GRID_N)
-  first_t = group * GROUP_M
-  size_t = tl.minimum(TILES - first_t, GROUP_M)
-  tile = first_t + (pid % (GROUP_M * GRID_N)) % size_t
-  pid_n = (pid % (GROUP_M * GRID_N)) // size_t
-  expert = tl.load(te_ptr + tile)
-  start = tl.load(ts_ptr + tile)
-  end = tl.load(tend_ptr + tile)
-
-  rm = start + tl.arange(0, BLOCK_M)
-  rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-  rk = tl.arange(0, BK)
-  m_ok, n_ok = rm < end, rn < N
-  src = tl.load(rows_ptr + rm, mask=m_ok, other=0) if GATHER else rm
-  # The zero pseudo-group (expert E) reads expert 0's pointers but runs no K block.
-  real = expert < E
-  e64 = tl.where(real, expert, 0).to(tl.int64)
-  a_ptrs = a_ptr + src.to(tl.int64)[:, None] * K + rk[None, :]
-  w_ptrs = w_ptr + e64 * N * K + rn.to(tl.int64)[:, None] * K + rk[None, :]
-  sw_row = sw_ptr + e64 * NB * SKB + (pid_n * BLOCK_N // 128) * SKB
-  if A_COL:
-    sa_step, sa_offs = MA, src
-  else:
-    sa_step, sa_offs = 1, src * SKB
+  pid_n, e64, run, rm, rn, m_ok, n_ok, src = _tile(rows_ptr, te_ptr, ts_ptr, tend_ptr, N, E,
+                                                   TILES, BLOCK_M, BLOCK_N, GATHER, GROUP_M)
+  a_ptrs, sa_step, sa_offs = _activation(a_ptr, src, MA, K, BK, A_COL)
+  w_ptrs, sw_row = _weight(w_ptr, sw_ptr, e64, rn, pid_n, N, K, BLOCK_N, BK)
+  pid_k = tl.program_id(1)
   first = pid_k * PER_SPLIT
-  last = tl.minimum(first + PER_SPLIT, KB)
-  last = tl.where(real & (start < end), last, first)
+  last = tl.where(run, tl.minimum(first + PER_SPLIT, KB), first)
   acc = scaled_dot(a_ptrs, w_ptrs, sa_ptr, sa_step, sa_offs, sw_row, m_ok, n_ok, first, last,
                    K, BLOCK_M, BLOCK_N, SWAP, BK, SCALED)
   o_offs = (pid_k.to(tl.int64) * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
   tl.store(o_ptr + o_offs, acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@_triton.jit
+def _round(x, HDT: tl.constexpr):
+  """x rounded to the hidden dtype HDT (nearest even) and back to f32."""
+  if HDT == "bfloat16":
+    x = x.to(tl.bfloat16).to(tl.float32)
+  elif HDT == "float16":
+    x = x.to(tl.float16).to(tl.float32)
+  return x
+
+
+@_triton.jit
+def ragged_swiglu_kernel(a_ptr, sa_ptr, wg_ptr, swg_ptr, wu_ptr, swu_ptr, rows_ptr, te_ptr,
+                         ts_ptr, tend_ptr, q_ptr, s_ptr, M: tl.constexpr, MA: tl.constexpr,
+                         N: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
+                         TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         A_COL: tl.constexpr, GATHER: tl.constexpr, SWAP: tl.constexpr,
+                         GROUP_M: tl.constexpr, ACT: tl.constexpr, HDT: tl.constexpr,
+                         G: tl.constexpr, FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr,
+                         UE8M0: tl.constexpr, COL: tl.constexpr, FNUZ_BITS: tl.constexpr,
+                         BK: tl.constexpr):
+  KB: tl.constexpr = (K + BK - 1) // BK
+  pid_n, e64, run, rm, rn, m_ok, n_ok, src = _tile(rows_ptr, te_ptr, ts_ptr, tend_ptr, N, E,
+                                                   TILES, BLOCK_M, BLOCK_N, GATHER, GROUP_M)
+  a_ptrs, sa_step, sa_offs = _activation(a_ptr, src, MA, K, BK, A_COL)
+  wg_ptrs, swg_row = _weight(wg_ptr, swg_ptr, e64, rn, pid_n, N, K, BLOCK_N, BK)
+  wu_ptrs, swu_row = _weight(wu_ptr, swu_ptr, e64, rn, pid_n, N, K, BLOCK_N, BK)
+  g, u = scaled_dot(a_ptrs, wg_ptrs, sa_ptr, sa_step, sa_offs, swg_row, m_ok, n_ok, 0,
+                    tl.where(run, KB, 0), K, BLOCK_M, BLOCK_N, SWAP, BK, True, wu_ptrs,
+                    swu_row, True)
+  # The projections' outputs as the unfused path rounds them, then the model's activation.
+  g, u = _round(g, HDT), _round(u, HDT)
+  s = g * tl.sigmoid(g)
+  if ACT == "silu_round_mul":
+    s = _round(s, HDT)
+  h = _round(s * u, HDT)
+  # Each row's BLOCK_N columns are whole groups of G: the hidden's quantisation needs no other
+  # program. Rows this tile does not own get row index M, which masks their scale store.
+  store_quant(h, tl.where(m_ok, rm, M), M, rm.to(tl.int64)[:, None] * N + rn[None, :],
+              m_ok[:, None] & n_ok[None, :], q_ptr, s_ptr, N, pid_n * (BLOCK_N // G), G,
+              FP8_MAX, INV_MAX, UE8M0, COL, FNUZ_BITS)
 
 
 def heuristics(m: int, n: int, k: int, groups: int, device_kind: str | None = None,
@@ -120,3 +189,40 @@ def ragged_matmul(a: jax.Array, sa: jax.Array | None, a_layout: str, w: jax.Arra
       A_COL=a_layout == "col", GATHER=rows is not None, SCALED=scaled,
       SWAP=bm < 64 <= bn, GROUP_M=GROUP_M, BK=bk)
   return out if splits == 1 else out.sum(axis=0).astype(out_dtype)
+
+
+def swiglu_config(m: int, n: int, k: int, groups: int, device_kind: str | None = None) -> Config:
+  """`heuristics`' row tile with 128 columns (one quantisation group a row) and no K split (the
+  epilogue needs the whole sum); two weights a stage, so the 128-row tile keeps 3 stages
+  (3 x 48 KB of shared memory)."""
+  c = heuristics(m, n, k, groups, device_kind)
+  return Config(c.block_m, 128, 1, num_warps=c.num_warps,
+                num_stages=3 if c.block_m == 128 else c.num_stages)
+
+
+def ragged_swiglu(a: jax.Array, sa: jax.Array, a_layout: str, wg: jax.Array, swg: jax.Array,
+                  wu: jax.Array, swu: jax.Array, group_sizes: jax.Array,
+                  rows: jax.Array | None, config: Config, act: str, hidden_dtype,
+                  fmt, ue8m0: bool) -> tuple[jax.Array, jax.Array]:
+  """a `[T, K]` fp8 (scales `sa` in `a_layout`), wg / wu `[E, N, K]` fp8 with `[E, NB, KB]`
+  scales -> the hidden's (codes `[M, N]`, row scales `[M, NB]`)."""
+  target = _target.current()
+  _triton.require(target)
+  t, k = a.shape
+  e, n, _ = wg.shape
+  m = t if rows is None else rows.shape[0]
+  bm = config.block_m
+  expert, start, end, _ = tiles.tile_map(group_sizes, m, bm)
+  count = expert.shape[0]
+  stand_in = jnp.zeros((1,), jnp.int32)
+  q, scale = _triton.call(
+      ragged_swiglu_kernel, a, sa, wg, swg, wu, swu,
+      stand_in if rows is None else rows.astype(jnp.int32), expert, start, end,
+      out_shape=quant_out_shapes(m, n, fmt, BLOCK_K, "row", target),
+      grid=(count * -(-n // config.block_n),), num_warps=config.num_warps,
+      num_stages=config.num_stages, M=m, MA=t, N=n, K=k, E=e, TILES=count, BLOCK_M=bm,
+      BLOCK_N=config.block_n, A_COL=a_layout == "col", GATHER=rows is not None,
+      SWAP=bm < 64 <= config.block_n, GROUP_M=GROUP_M, ACT=act,
+      HDT=jnp.dtype(hidden_dtype).name, BK=BLOCK_K,
+      **quant_params(fmt, BLOCK_K, "row", ue8m0, target))
+  return to_fp8(q, fmt), scale

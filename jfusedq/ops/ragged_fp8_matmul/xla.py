@@ -14,10 +14,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jfusedq.fp8 import QuantizedActivation
+from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation
 from jfusedq.ops import _common
 from jfusedq.ops.fp8_matmul.reference import dequantize_weight
+from jfusedq.ops.group_quant.reference import group_quant
 from jfusedq.ops.ragged_fp8_matmul import tiles
+from jfusedq.ops.ragged_fp8_matmul.reference import swiglu
 
 
 def block_m(m: int, groups: int) -> int:
@@ -63,3 +65,15 @@ def ragged_matmul(a, w, group_sizes, rows=None, out_dtype=jnp.bfloat16) -> jax.A
   weight = lambda i: w[i].astype(jnp.float32)
   e, n, _ = w.shape
   return _tiled(a.astype(jnp.float32), weight, e, n, group_sizes, rows, out_dtype)
+
+
+def ragged_swiglu(a: QuantizedActivation, gate, gate_scale, up, up_scale, group_sizes, rows,
+                  act: str, dtype, fmt: Fp8Format, ue8m0: bool) -> QuantizedActivation:
+  """As `reference.ragged_swiglu`: both products in one loop over the filled tiles (each step
+  one [rows, 2N] product against the expert's gate and up side by side)."""
+  weight = lambda i: jnp.concatenate([dequantize_weight(gate[i], gate_scale[i]),
+                                      dequantize_weight(up[i], up_scale[i])])
+  e, n, _ = gate.shape
+  gu = _tiled(a.dequantize(jnp.float32), weight, e, 2 * n, group_sizes, rows, dtype)
+  return group_quant(swiglu(gu[:, :n], gu[:, n:], act, dtype), fmt, group_size=BLOCK,
+                     ue8m0=ue8m0)
