@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 from jfusedq import (Fp8Format, Unsupported, _target, _triton, fp8_matmul, group_quant,
-                     grouped_fp8_matmul, mla_decode, ragged_fp8_matmul, ragged_matmul, rmsnorm,
-                     rmsnorm_quant)
+                     grouped_fp8_matmul, mla_decode, ragged_fp8_matmul, ragged_matmul,
+                     ragged_swiglu, rmsnorm, rmsnorm_quant)
 from jfusedq.nn import StackedLinear, quantize_weight
 from jfusedq.ops.fp8_matmul import Config
 from helpers import TRITON_CALL, lower
@@ -163,6 +163,8 @@ def matmul_ops(fmt):
   ids = jnp.asarray([1, 0, 0, 1], jnp.int32)
   sizes = jnp.asarray([120, 180], jnp.int32)
   rows = jnp.asarray(r.integers(0, 300, 300), jnp.int32)
+  pair = (jnp.stack([qw, qw]), jnp.stack([sw, sw]), jnp.stack([qw, qw])[::-1],
+          jnp.stack([sw, sw])[::-1])
   return [lambda: fp8_matmul(qa, qw, sw, implementation="triton"),  # K split, swapped
           lambda: fp8_matmul(qal, qw, sw, implementation="triton"),  # 64 x 128, col scales
           lambda: fp8_matmul(qal, qw, sw, implementation="triton", config=big),
@@ -172,7 +174,12 @@ def matmul_ops(fmt):
           lambda: ragged_fp8_matmul(qa, jnp.stack([qw, qw]), jnp.stack([sw, sw]),
                                     jnp.asarray([1, 1], jnp.int32), implementation="triton"),
           lambda: ragged_fp8_matmul(qal, jnp.stack([qw, qw]), jnp.stack([sw, sw]), sizes,
-                                    rows=rows, implementation="triton", config=big)]
+                                    rows=rows, implementation="triton", config=big),
+          # The experts' gate and up with the hidden's quantisation: decode and prefill tiles.
+          lambda: ragged_swiglu(qa, *pair, jnp.asarray([1, 1], jnp.int32),
+                                implementation="triton"),
+          lambda: ragged_swiglu(qal, *pair, sizes, rows=rows, act="silu_round_mul", ue8m0=True,
+                                implementation="triton")]
 
 
 def decode_ops(fmt):
@@ -223,7 +230,7 @@ def test_matmul_compiles_to_fp8_mma(monkeypatch, target):
   pytest.importorskip("triton")
   fmt = Fp8Format.e4m3fnuz() if target == "gfx942" else Fp8Format.e4m3fn()
   calls = recorded_calls(monkeypatch, target, matmul_ops(fmt))
-  assert len(calls) == 6
+  assert len(calls) == 8
   for call in calls:
     asm = compile_call(target, call).asm
     if target == "h200":
