@@ -16,6 +16,9 @@ Implementations:
   gathered  `grouped_fp8_matmul` with a product per pair (the decode path, up to 64 tokens)
   unfused   `gate_up` as separate steps: two Triton ragged products, the activation and
             `group_quant` in XLA
+  --tiles BM,BN,WARPS,STAGES ...: the Triton kernel at each of these tilings besides (impl
+            "triton BMxBN/WARPS/STAGES", no K split; gate_up takes BN = 128 only), to set
+            `triton.heuristics`
 Routed FLOPs = 2 T k N K (twice that for gate_up); bytes = the distinct experts' fp8 weights
 and scales + activation in + bf16 out (gate_up: fp8 codes and scales out); roofline_frac =
 max(FLOPs / FP8 peak, bytes / copy bandwidth) / time, FP8 peak taken as twice XLA's bf16 dot
@@ -47,7 +50,7 @@ import _harness  # noqa: E402
 from jfusedq import (QuantizedActivation, default_format, group_quant,  # noqa: E402
                      grouped_fp8_matmul, ragged_fp8_matmul, ragged_swiglu)
 from jfusedq.nn import quantize_weight  # noqa: E402
-from jfusedq.ops.fp8_matmul import scale_layout  # noqa: E402
+from jfusedq.ops.fp8_matmul import Config, scale_layout  # noqa: E402
 from jfusedq.ops.ragged_fp8_matmul.reference import swiglu  # noqa: E402
 from jfusedq.testing import rel_rms  # noqa: E402
 from models import cost  # noqa: E402
@@ -150,6 +153,27 @@ SWIGLU_IMPLS = {"default": hidden(None), "triton": hidden("triton"), "xla": hidd
                 "unfused": unfused}
 
 
+def tiled(proj: str, tiles: list[str]) -> dict:
+  """{"triton BMxBN/WARPS/STAGES": op} for each --tiles entry `proj` can take."""
+  ops = {}
+  for spec in tiles:
+    bm, bn, warps, stages = map(int, spec.split(","))
+    cfg = Config(bm, bn, 1, num_warps=warps, num_stages=stages)
+    if proj == "gate_up" and bn != 128:
+      continue
+    if proj == "gate_up":
+      def op(qa, qw, sw, sizes, rows, idx, cfg=cfg):
+        h = ragged_swiglu(qa, qw[0], sw[0], qw[1], sw[1], sizes, rows=rows, config=cfg,
+                          implementation="triton")
+        return h.q, h.scale
+    else:
+      def op(qa, qw, sw, sizes, rows, idx, cfg=cfg):
+        return ragged_fp8_matmul(qa, qw, sw, sizes, rows=rows, config=cfg,
+                                 implementation="triton")
+    ops[f"triton {bm}x{bn}/{warps}/{stages}"] = op
+  return ops
+
+
 def dequantized(out):
   """A gate_up output (codes, scales) as f32 values; other outputs as they are."""
   if isinstance(out, tuple):
@@ -169,6 +193,8 @@ def main():
                   choices=["up", "down", "gate_up"])
   ap.add_argument("--impls", nargs="+", default=list(IMPLS) + ["unfused"],
                   choices=sorted(set(IMPLS) | set(SWIGLU_IMPLS)))
+  ap.add_argument("--tiles", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES",
+                  help="Triton tilings timed besides the heuristic's")
   ap.add_argument("--xla-max", type=int, default=1024, help="time the XLA path up to T tokens")
   ap.add_argument("--calls", type=int, default=3, help="distinct input sets per timed jit")
   ap.add_argument("--tag", default="", help="results file moe_gemm_<tag>.json")
@@ -205,7 +231,8 @@ def main():
               qa.q.size + qa.scale.size * 4 + out_bytes
           case = dict(model=model, proj=proj, T=t, E=e, topk=topk, N=n, K=k, routing=routing,
                       experts_touched=unique)
-          for impl in impls:
+          ops = dict(ops, **tiled(proj, args.tiles))
+          for impl in impls + [i for i in ops if i.startswith("triton ")]:
             if (impl not in ops or impl == "xla" and t > args.xla_max
                 or impl == "gathered" and t > 64):
               continue
