@@ -252,7 +252,8 @@ def test_bf16_ragged_compiles_to_mma(monkeypatch, target):
   calls = recorded_calls(monkeypatch, target, [
       lambda: ragged_matmul(x, w, sizes, implementation="triton"),
       lambda: ragged_matmul(x[:2], w, jnp.asarray([1, 1, 0], jnp.int32),
-                            implementation="triton")])
+                            implementation="triton"),
+      lambda: ragged_swiglu(x, w, None, w[::-1], None, sizes, implementation="triton")])
   for call in calls:
     asm = compile_call(target, call).asm
     if target == "h200":

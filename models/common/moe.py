@@ -10,12 +10,11 @@ Two formulations, picked at trace time by shape:
   gathered  (FP8, M * k < E: decode) a product per pair, each reading its pair's expert in
             place (`grouped_fp8_matmul`); a step reads only the chosen experts' weights.
   sorted    (otherwise, and always in bf16) the M * k pairs sorted by expert (a stable argsort:
-            ties keep token order), `group_sizes` counted by expert; gate and up reading each
-            pair's token row in place, `act`, the down product on the sorted hidden rows, then
-            the rows back in pair order and mixed by w. FP8: gate, up, `act` and the hidden's
-            quantisation in one kernel (`ragged_swiglu`); bf16: two ragged products, then
-            `act`. Expert weights are read in place (no gathered copy) and no expert computes
-            a token it was not picked for.
+            ties keep token order), `group_sizes` counted by expert; gate, up and `act` in one
+            kernel (`ragged_swiglu`: each pair's token row read in place, and in FP8 the
+            hidden quantised there too), the down product on the sorted hidden rows, then
+            the rows back in pair order and mixed by w. Expert weights are read in place (no
+            gathered copy) and no expert computes a token it was not picked for.
 Expert ids outside [0, E) count for no group: their pairs give zero rows, never another expert's
 output.
 """
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jfusedq.fp8 import QuantizedActivation
-from jfusedq.nn import StackedLinear
+from jfusedq.nn import StackedLinear, high_precision
 from jfusedq.ops import _common, _dispatch
 from jfusedq.ops.fp8_matmul import activation_format, scale_layout
 from jfusedq.ops.group_quant import group_quant
@@ -97,15 +96,12 @@ class Experts(nnx.Module):
       x = group_quant(x, fmt=activation_format(self.gate_proj.weight.dtype),
                       ue8m0=self.gate_proj.ue8m0, layout=scale_layout(m),
                       implementation=self.gate_proj.implementation)
-    if self.takes_fp8:
-      g, u = self.gate_proj, self.up_proj
-      h = ragged_swiglu(x, g.weight[...], g.weight_scale_inv[...], u.weight[...],
-                        u.weight_scale_inv[...], sizes, rows=rows, act=self.act,
-                        dtype=self.dtype, ue8m0=self.down_proj.ue8m0,
-                        implementation=_dispatch.among("ragged_swiglu", g.implementation))
-    else:
-      h = swiglu(self.gate_proj.ragged(x, sizes, rows), self.up_proj.ragged(x, sizes, rows),
-                 self.act, self.dtype)
+    g, u = self.gate_proj, self.up_proj
+    scale = lambda p: p.weight_scale_inv[...] if self.takes_fp8 else None
+    h = ragged_swiglu(x if self.takes_fp8 else high_precision(x).astype(self.dtype),
+                      g.weight[...], scale(g), u.weight[...], scale(u), sizes, rows=rows,
+                      act=self.act, dtype=self.dtype, ue8m0=self.down_proj.ue8m0,
+                      implementation=_dispatch.among("ragged_swiglu", g.implementation))
     y = self.down_proj.ragged(h, sizes)  # [M * k, H], sorted pairs
     # Back to pair order: the inverse permutation gathers rows (an index scatter, no row one).
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(m * k, dtype=order.dtype))

@@ -201,6 +201,26 @@ class TestSwiglu:
     assert_hidden_close(a, want)
 
 
+  @pytest.mark.parametrize("act", ["silu_mul", "silu_round_mul"])
+  def test_high_precision(self, impl, act):
+    """Unquantised weights (scales None): the hidden itself, against `ragged_matmul`'s
+    products and `swiglu`, both computed in f32 from the same operands."""
+    t, topk, e, n, k = 23, 3, 5, 192, 320
+    r = rng("hp", act)
+    wg, wu = (jnp.asarray(r.standard_normal((e, n, k)) / k**0.5, jnp.bfloat16) for _ in "gu")
+    x = activations(r, (t, k))
+    rows, sizes = pairs("hpi", t, topk, e)
+    sizes = sizes.at[1].add(-2)  # two rows past the groups: zero products, a zero hidden
+    got = ragged_swiglu(x, wg, None, wu, None, sizes, rows=rows, act=act, implementation=impl)
+    want = reference.ragged_swiglu(x, wg, None, wu, None, sizes, rows, act, jnp.bfloat16, None,
+                                   False)
+    assert got.dtype == jnp.bfloat16
+    # bf16 roundings of g and u moved by a different f32 summation order: a bf16 ulp now
+    # and then, which the activation keeps.
+    assert rel_rms(np.asarray(got, np.float32), np.asarray(want, np.float32)) <= 2.0**-8
+    assert not np.any(np.asarray(got, np.float32)[int(sizes.sum()):])
+
+
 def test_swiglu_errors():
   (wg, sg), (wu, su) = (experts(("se", p), 3, 256, 256) for p in "gu")
   x = activations(rng("se_x"), (4, 256))
@@ -217,6 +237,14 @@ def test_swiglu_errors():
     ragged_swiglu(x, wg, sg, wu, su, sizes, dtype=jnp.int32)
   with pytest.raises(InputError, match="group_sizes has 2 groups"):
     ragged_swiglu(x, wg, sg, wu, su, sizes[:2])
+  with pytest.raises(InputError, match="both be arrays"):
+    ragged_swiglu(x, wg, sg, wu, None, sizes)
+  qa = group_quant(x, fmt="e4m3fn", implementation="xla")
+  hp = jnp.zeros((3, 256, 256), jnp.bfloat16)
+  with pytest.raises(InputError, match="unquantised"):
+    ragged_swiglu(qa, hp, None, hp, None, sizes)
+  with pytest.raises(InputError, match="K = 128"):
+    ragged_swiglu(x[:, :128], hp, None, hp, None, sizes)
 
 
 def test_tile_map_covers_every_row_once():

@@ -80,17 +80,7 @@ def ragged_matmul(a: jax.Array, weight: jax.Array, group_sizes: jax.Array, *,
   """`ragged_fp8_matmul`'s products in high precision: `a [T, K]` and `weight [E, N, K]` in
   bf16 (or f16 / f32: the kernel reads them in the activation's dtype), f32 accumulation, the
   weights read in place (the unquantised path's experts, with no gathered copy)."""
-  _common.check_array("a", a)
-  _common.check_float("a", a)
-  _common.check_array("weight", weight)
-  _common.check_float("weight", weight)
-  if a.ndim != 2:
-    raise InputError(f"a must be [T, K], got shape {tuple(a.shape)}")
-  if weight.ndim != 3 or 0 in weight.shape:
-    raise InputError(f"weight must be a non-empty [E, N, K], got shape {tuple(weight.shape)}")
-  e, n, k = weight.shape
-  if a.shape[1] != k:
-    raise InputError(f"a has K = {a.shape[1]}, which does not match the weight's K = {k}")
+  e, n, k = _check_high_precision(a, weight)
   m = _check_rows(a, rows)
   _check_groups(weight, group_sizes, m)
 
@@ -107,38 +97,57 @@ def ragged_matmul(a: jax.Array, weight: jax.Array, group_sizes: jax.Array, *,
   return dispatch("ragged_matmul", backends, implementation)
 
 
-def ragged_swiglu(a: jax.Array | QuantizedActivation, gate: jax.Array, gate_scale: jax.Array,
-                  up: jax.Array, up_scale: jax.Array, group_sizes: jax.Array, *,
-                  rows: jax.Array | None = None, act: str = "silu_mul", dtype=jnp.bfloat16,
-                  ue8m0: bool = False, implementation: str | Sequence[str] | None = None,
-                  config: Config | None = None) -> QuantizedActivation:
-  """The MoE experts' gate and up products, their activation and the hidden's quantisation in
-  one kernel: `h[r] = swiglu(a[rows[r]] @ G[e(r)]^T, a[rows[r]] @ U[e(r)]^T)`, quantised per
-  1 x 128 group for the down product.
+def ragged_swiglu(a: jax.Array | QuantizedActivation, gate: jax.Array,
+                  gate_scale: jax.Array | None, up: jax.Array, up_scale: jax.Array | None,
+                  group_sizes: jax.Array, *, rows: jax.Array | None = None,
+                  act: str = "silu_mul", dtype=jnp.bfloat16, ue8m0: bool = False,
+                  implementation: str | Sequence[str] | None = None,
+                  config: Config | None = None) -> QuantizedActivation | jax.Array:
+  """The MoE experts' gate and up products and their activation in one kernel:
+  `h[r] = swiglu(a[rows[r]] @ G[e(r)]^T, a[rows[r]] @ U[e(r)]^T)`, with FP8 weights quantised
+  per 1 x 128 group for the down product.
 
-  Rows and groups as `ragged_fp8_matmul`'s; both products are its products (the same block
-  scales, f32 per K block), computed by one kernel that reads each activation block once for
-  both weights; each is rounded to `dtype` as a projection would output it, then `act`
-  (`reference.swiglu`: "silu_mul", DeepSeek-V3's rounding, or "silu_round_mul", Qwen3.5's),
-  then the hidden, in dtype, is quantised to the weights' format as `group_quant` does (row
-  scales, the layout the ragged down product reads). Neither the `[M, 2N]` products nor the
-  bf16 hidden is written to memory.
+  Rows and groups as `ragged_fp8_matmul`'s; one kernel computes both products, reading each
+  activation block once for both weights. Each product is rounded to `dtype` as a projection
+  would output it, then `act` (`reference.swiglu`: "silu_mul", DeepSeek-V3's rounding, or
+  "silu_round_mul", Qwen3.5's). Neither the `[M, 2N]` products nor (FP8) the hidden in dtype
+  is written to memory.
+  - FP8 weights with their scales: the products are `ragged_fp8_matmul`'s (the same block
+    scales, f32 per K block) and the hidden, in dtype, is quantised to the weights' format as
+    `group_quant` does (row scales, the layout the ragged down product reads).
+  - High-precision weights, both scales None: the products are `ragged_matmul`'s (the kernel
+    reads the weights in `a`'s dtype) and the hidden is returned in dtype.
 
   Args:
-    a: `[T, K]` bf16/f16/f32 (quantised per 1 x 128 group first) or a QuantizedActivation.
-    gate, up: `[E, N, K]` fp8 (one format), scales `[E, ceil(N/128), ceil(K/128)]` f32.
+    a: `[T, K]` bf16/f16/f32 (with FP8 weights quantised per 1 x 128 group first) or a
+      QuantizedActivation (FP8 weights only).
+    gate, up: `[E, N, K]`, fp8 (one format) with scales `[E, ceil(N/128), ceil(K/128)]` f32,
+      or bf16/f16/f32 with gate_scale = up_scale = None.
     group_sizes, rows: as `ragged_fp8_matmul`.
     act: "silu_mul" or "silu_round_mul". dtype: the products' and the hidden's rounding.
     ue8m0: power-of-two scales for both quantisations (of `a` if bf16, and of the hidden).
     implementation: "triton", "xla", a sequence tried in order, or None (Triton then XLA on a
       GPU, XLA elsewhere).
-    config: the Triton tiling (`pallas.Config` with block_n 128 and no K split: the epilogue
-      quantises whole 128-column groups of whole sums; default `triton.swiglu_config`).
+    config: the Triton tiling (`pallas.Config` with block_n 128 and no K split: the FP8
+      epilogue quantises whole 128-column groups of whole sums; default
+      `triton.swiglu_config`).
   Returns:
-    QuantizedActivation: codes `[M, N]`, scales `[M, ceil(N/128)]` (layout "row").
+    FP8: a QuantizedActivation, codes `[M, N]`, scales `[M, ceil(N/128)]` (layout "row").
+    High precision: `[M, N]` in dtype.
   """
-  n, k = fp8_api._check_weight(gate, gate_scale, stacked=True)
-  fp8_api._check_weight(up, up_scale, stacked=True)
+  if (gate_scale is None) != (up_scale is None):
+    raise InputError("gate_scale and up_scale must both be arrays (FP8 weights) or both None "
+                     "(high-precision weights)")
+  quantized = gate_scale is not None
+  if quantized:
+    n, k = fp8_api._check_weight(gate, gate_scale, stacked=True)
+    fp8_api._check_weight(up, up_scale, stacked=True)
+  else:
+    if isinstance(a, QuantizedActivation):
+      raise InputError("a is a QuantizedActivation but the weights are unquantised (no "
+                       "scales): pass the high-precision activation")
+    _, n, k = _check_high_precision(a, gate, "gate")
+    _check_high_precision(a, up, "up")
   if up.shape != gate.shape or up.dtype != gate.dtype:
     raise InputError(f"gate and up must match: gate {gate.dtype}{list(gate.shape)}, up "
                      f"{up.dtype}{list(up.shape)}")
@@ -151,25 +160,47 @@ def ragged_swiglu(a: jax.Array | QuantizedActivation, gate: jax.Array, gate_scal
                      f"quantises whole groups of whole sums), got {config}")
   e = gate.shape[0]
   implementation = _dispatch.requested("ragged_swiglu", implementation)
-  qa = fp8_api._quantized(a, gate, k, implementation, ue8m0, "row")
-  m = _check_rows(qa.q, rows)
+  fmt = fp8_api.activation_format(gate.dtype) if quantized else None
+  if quantized:
+    a = fp8_api._quantized(a, gate, k, implementation, ue8m0, "row")
+  m = _check_rows(a.q if quantized else a, rows)
   _check_groups(gate, group_sizes, m)
-  fmt = fp8_api.activation_format(gate.dtype)
 
   def kernel():
     if m == 0:
+      if not quantized:
+        return jnp.zeros((0, n), dtype)
       return QuantizedActivation(jnp.zeros((0, n), fmt.dtype),
                                  jnp.zeros((0, -(-n // BLOCK)), jnp.float32), group_size=BLOCK)
     fp8_api._check_kernel(gate, config, triton)
-    cfg = config or triton.swiglu_config(m, n, k, e)
-    q, scale = triton.ragged_swiglu(qa.q, qa.scale, qa.layout, gate, gate_scale, up, up_scale,
-                                    group_sizes, rows, cfg, act, dtype, fmt, ue8m0)
-    return QuantizedActivation(q, scale, group_size=BLOCK)
+    cfg = config or triton.swiglu_config(m, n, k, e, scaled=quantized)
+    if not quantized:
+      return triton.ragged_swiglu(a, None, "row", gate, None, up, None, group_sizes, rows, cfg,
+                                  act, dtype, None, False)
+    return QuantizedActivation(*triton.ragged_swiglu(
+        a.q, a.scale, a.layout, gate, gate_scale, up, up_scale, group_sizes, rows, cfg, act,
+        dtype, fmt, ue8m0), group_size=BLOCK)
 
   backends = {"triton": kernel,
-              "xla": lambda: xla.ragged_swiglu(qa, gate, gate_scale, up, up_scale, group_sizes,
+              "xla": lambda: xla.ragged_swiglu(a, gate, gate_scale, up, up_scale, group_sizes,
                                                rows, act, dtype, fmt, ue8m0)}
   return dispatch("ragged_swiglu", backends, implementation)
+
+
+def _check_high_precision(a, weight, name: str = "weight") -> tuple[int, int, int]:
+  """(E, N, K) of a high-precision `a [T, K]` and `weight [E, N, K]`, checked."""
+  _common.check_array("a", a)
+  _common.check_float("a", a)
+  _common.check_array(name, weight)
+  _common.check_float(name, weight)
+  if a.ndim != 2:
+    raise InputError(f"a must be [T, K], got shape {tuple(a.shape)}")
+  if weight.ndim != 3 or 0 in weight.shape:
+    raise InputError(f"{name} must be a non-empty [E, N, K], got shape {tuple(weight.shape)}")
+  e, n, k = weight.shape
+  if a.shape[1] != k:
+    raise InputError(f"a has K = {a.shape[1]}, which does not match the {name}'s K = {k}")
+  return e, n, k
 
 
 def _check_groups(weight, group_sizes, m: int) -> None:

@@ -61,11 +61,15 @@ def ragged_matmul(a: jax.Array, w: jax.Array, group_sizes: jax.Array,
   return _ragged(a.astype(jnp.float32), w.astype(jnp.float32), group_sizes, rows, out_dtype)
 
 
-def ragged_swiglu(a: QuantizedActivation, gate: jax.Array, gate_scale: jax.Array, up: jax.Array,
-                  up_scale: jax.Array, group_sizes: jax.Array, rows: jax.Array | None, act: str,
-                  dtype, fmt: Fp8Format, ue8m0: bool) -> QuantizedActivation:
+def ragged_swiglu(a, gate: jax.Array, gate_scale: jax.Array | None, up: jax.Array,
+                  up_scale: jax.Array | None, group_sizes: jax.Array, rows: jax.Array | None,
+                  act: str, dtype, fmt: Fp8Format | None, ue8m0: bool):
   """`swiglu(a_rows @ gate_e^T, a_rows @ up_e^T)` per sorted row (products as
-  `ragged_fp8_matmul`'s, in dtype), quantised to `fmt` per 1 x 128 group, row scales."""
+  `ragged_fp8_matmul`'s, in dtype), quantised to `fmt` per 1 x 128 group, row scales; with the
+  scales None (high-precision a and weights, products as `ragged_matmul`'s) the hidden itself."""
+  if gate_scale is None:
+    g, u = (ragged_matmul(a, w, group_sizes, rows, dtype) for w in (gate, up))
+    return swiglu(g, u, act, dtype)
   g = ragged_fp8_matmul(a, gate, gate_scale, group_sizes, rows, dtype)
   u = ragged_fp8_matmul(a, up, up_scale, group_sizes, rows, dtype)
   return group_quant(swiglu(g, u, act, dtype), fmt, group_size=BLOCK, ue8m0=ue8m0)

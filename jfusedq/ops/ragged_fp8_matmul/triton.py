@@ -109,6 +109,32 @@ def _round(x, HDT: tl.constexpr):
 
 
 @_triton.jit
+def _hidden(a_ptr, sa_ptr, wg_ptr, swg_ptr, wu_ptr, swu_ptr, rows_ptr, te_ptr, ts_ptr, tend_ptr,
+            MA: tl.constexpr, N: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
+            TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            A_COL: tl.constexpr, GATHER: tl.constexpr, SWAP: tl.constexpr,
+            GROUP_M: tl.constexpr, ACT: tl.constexpr, HDT: tl.constexpr,
+            SCALED: tl.constexpr, BK: tl.constexpr):
+  """This program's tile of the hidden, f32 holding HDT values: (h, rm, rn, m_ok, n_ok,
+  pid_n)."""
+  KB: tl.constexpr = (K + BK - 1) // BK
+  pid_n, e64, run, rm, rn, m_ok, n_ok, src = _tile(rows_ptr, te_ptr, ts_ptr, tend_ptr, N, E,
+                                                   TILES, BLOCK_M, BLOCK_N, GATHER, GROUP_M)
+  a_ptrs, sa_step, sa_offs = _activation(a_ptr, src, MA, K, BK, A_COL)
+  wg_ptrs, swg_row = _weight(wg_ptr, swg_ptr, e64, rn, pid_n, N, K, BLOCK_N, BK)
+  wu_ptrs, swu_row = _weight(wu_ptr, swu_ptr, e64, rn, pid_n, N, K, BLOCK_N, BK)
+  g, u = scaled_dot(a_ptrs, wg_ptrs, sa_ptr, sa_step, sa_offs, swg_row, m_ok, n_ok, 0,
+                    tl.where(run, KB, 0), K, BLOCK_M, BLOCK_N, SWAP, BK, SCALED, wu_ptrs,
+                    swu_row, True)
+  # The projections' outputs as the unfused path rounds them, then the model's activation.
+  g, u = _round(g, HDT), _round(u, HDT)
+  s = g * tl.sigmoid(g)
+  if ACT == "silu_round_mul":
+    s = _round(s, HDT)
+  return _round(s * u, HDT), rm, rn, m_ok, n_ok, pid_n
+
+
+@_triton.jit
 def ragged_swiglu_kernel(a_ptr, sa_ptr, wg_ptr, swg_ptr, wu_ptr, swu_ptr, rows_ptr, te_ptr,
                          ts_ptr, tend_ptr, q_ptr, s_ptr, M: tl.constexpr, MA: tl.constexpr,
                          N: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
@@ -118,26 +144,29 @@ def ragged_swiglu_kernel(a_ptr, sa_ptr, wg_ptr, swg_ptr, wu_ptr, swu_ptr, rows_p
                          G: tl.constexpr, FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr,
                          UE8M0: tl.constexpr, COL: tl.constexpr, FNUZ_BITS: tl.constexpr,
                          BK: tl.constexpr):
-  KB: tl.constexpr = (K + BK - 1) // BK
-  pid_n, e64, run, rm, rn, m_ok, n_ok, src = _tile(rows_ptr, te_ptr, ts_ptr, tend_ptr, N, E,
-                                                   TILES, BLOCK_M, BLOCK_N, GATHER, GROUP_M)
-  a_ptrs, sa_step, sa_offs = _activation(a_ptr, src, MA, K, BK, A_COL)
-  wg_ptrs, swg_row = _weight(wg_ptr, swg_ptr, e64, rn, pid_n, N, K, BLOCK_N, BK)
-  wu_ptrs, swu_row = _weight(wu_ptr, swu_ptr, e64, rn, pid_n, N, K, BLOCK_N, BK)
-  g, u = scaled_dot(a_ptrs, wg_ptrs, sa_ptr, sa_step, sa_offs, swg_row, m_ok, n_ok, 0,
-                    tl.where(run, KB, 0), K, BLOCK_M, BLOCK_N, SWAP, BK, True, wu_ptrs,
-                    swu_row, True)
-  # The projections' outputs as the unfused path rounds them, then the model's activation.
-  g, u = _round(g, HDT), _round(u, HDT)
-  s = g * tl.sigmoid(g)
-  if ACT == "silu_round_mul":
-    s = _round(s, HDT)
-  h = _round(s * u, HDT)
+  h, rm, rn, m_ok, n_ok, pid_n = _hidden(
+      a_ptr, sa_ptr, wg_ptr, swg_ptr, wu_ptr, swu_ptr, rows_ptr, te_ptr, ts_ptr, tend_ptr, MA,
+      N, K, E, TILES, BLOCK_M, BLOCK_N, A_COL, GATHER, SWAP, GROUP_M, ACT, HDT, True, BK)
   # Each row's BLOCK_N columns are whole groups of G: the hidden's quantisation needs no other
   # program. Rows this tile does not own get row index M, which masks their scale store.
   store_quant(h, tl.where(m_ok, rm, M), M, rm.to(tl.int64)[:, None] * N + rn[None, :],
               m_ok[:, None] & n_ok[None, :], q_ptr, s_ptr, N, pid_n * (BLOCK_N // G), G,
               FP8_MAX, INV_MAX, UE8M0, COL, FNUZ_BITS)
+
+
+@_triton.jit
+def ragged_swiglu_hp_kernel(a_ptr, wg_ptr, wu_ptr, rows_ptr, te_ptr, ts_ptr, tend_ptr, o_ptr,
+                            MA: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                            E: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, GATHER: tl.constexpr, SWAP: tl.constexpr,
+                            GROUP_M: tl.constexpr, ACT: tl.constexpr, HDT: tl.constexpr,
+                            BK: tl.constexpr):
+  # Unquantised operands: no scales (their pointers are the weights', never read).
+  h, rm, rn, m_ok, n_ok, _ = _hidden(
+      a_ptr, a_ptr, wg_ptr, wg_ptr, wu_ptr, wu_ptr, rows_ptr, te_ptr, ts_ptr, tend_ptr, MA, N,
+      K, E, TILES, BLOCK_M, BLOCK_N, False, GATHER, SWAP, GROUP_M, ACT, HDT, False, BK)
+  tl.store(o_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], h.to(o_ptr.dtype.element_ty),
+           mask=m_ok[:, None] & n_ok[None, :])
 
 
 def heuristics(m: int, n: int, k: int, groups: int, device_kind: str | None = None,
@@ -191,21 +220,23 @@ def ragged_matmul(a: jax.Array, sa: jax.Array | None, a_layout: str, w: jax.Arra
   return out if splits == 1 else out.sum(axis=0).astype(out_dtype)
 
 
-def swiglu_config(m: int, n: int, k: int, groups: int, device_kind: str | None = None) -> Config:
+def swiglu_config(m: int, n: int, k: int, groups: int, device_kind: str | None = None,
+                  scaled: bool = True) -> Config:
   """`heuristics`' row tile with 128 columns (one quantisation group a row) and no K split (the
   epilogue needs the whole sum); two weights a stage, so the 128-row tile keeps 3 stages
-  (3 x 48 KB of shared memory)."""
-  c = heuristics(m, n, k, groups, device_kind)
+  (3 x 48 KB of shared memory for fp8; bf16 stages are 64 deep in K, the same bytes)."""
+  c = heuristics(m, n, k, groups, device_kind, scaled)
   return Config(c.block_m, 128, 1, num_warps=c.num_warps,
                 num_stages=3 if c.block_m == 128 else c.num_stages)
 
 
-def ragged_swiglu(a: jax.Array, sa: jax.Array, a_layout: str, wg: jax.Array, swg: jax.Array,
-                  wu: jax.Array, swu: jax.Array, group_sizes: jax.Array,
-                  rows: jax.Array | None, config: Config, act: str, hidden_dtype,
-                  fmt, ue8m0: bool) -> tuple[jax.Array, jax.Array]:
+def ragged_swiglu(a: jax.Array, sa: jax.Array | None, a_layout: str, wg: jax.Array,
+                  swg: jax.Array | None, wu: jax.Array, swu: jax.Array | None,
+                  group_sizes: jax.Array, rows: jax.Array | None, config: Config, act: str,
+                  hidden_dtype, fmt, ue8m0: bool):
   """a `[T, K]` fp8 (scales `sa` in `a_layout`), wg / wu `[E, N, K]` fp8 with `[E, NB, KB]`
-  scales -> the hidden's (codes `[M, N]`, row scales `[M, NB]`)."""
+  scales -> the hidden's (codes `[M, N]`, row scales `[M, NB]`); or a and the weights in high
+  precision (the scales None) -> the hidden `[M, N]` in hidden_dtype."""
   target = _target.current()
   _triton.require(target)
   t, k = a.shape
@@ -214,15 +245,20 @@ def ragged_swiglu(a: jax.Array, sa: jax.Array, a_layout: str, wg: jax.Array, swg
   bm = config.block_m
   expert, start, end, _ = tiles.tile_map(group_sizes, m, bm)
   count = expert.shape[0]
-  stand_in = jnp.zeros((1,), jnp.int32)
+  kw = dict(grid=(count * -(-n // config.block_n),), num_warps=config.num_warps,
+            num_stages=config.num_stages, MA=t, N=n, K=k, E=e, TILES=count, BLOCK_M=bm,
+            BLOCK_N=config.block_n, GATHER=rows is not None, SWAP=bm < 64 <= config.block_n,
+            GROUP_M=GROUP_M, ACT=act, HDT=jnp.dtype(hidden_dtype).name)
+  # Without rows a one-element stand-in: the kernel never reads it.
+  rows = jnp.zeros((1,), jnp.int32) if rows is None else rows.astype(jnp.int32)
+  if swg is None:
+    return _triton.call(ragged_swiglu_hp_kernel, a, wg.astype(a.dtype), wu.astype(a.dtype),
+                        rows, expert, start, end,
+                        out_shape=jax.ShapeDtypeStruct((m, n), hidden_dtype), BK=BF16_BLOCK_K,
+                        **kw)
   q, scale = _triton.call(
-      ragged_swiglu_kernel, a, sa, wg, swg, wu, swu,
-      stand_in if rows is None else rows.astype(jnp.int32), expert, start, end,
-      out_shape=quant_out_shapes(m, n, fmt, BLOCK_K, "row", target),
-      grid=(count * -(-n // config.block_n),), num_warps=config.num_warps,
-      num_stages=config.num_stages, M=m, MA=t, N=n, K=k, E=e, TILES=count, BLOCK_M=bm,
-      BLOCK_N=config.block_n, A_COL=a_layout == "col", GATHER=rows is not None,
-      SWAP=bm < 64 <= config.block_n, GROUP_M=GROUP_M, ACT=act,
-      HDT=jnp.dtype(hidden_dtype).name, BK=BLOCK_K,
+      ragged_swiglu_kernel, a, sa, wg, swg, wu, swu, rows, expert, start, end,
+      out_shape=quant_out_shapes(m, n, fmt, BLOCK_K, "row", target), M=m,
+      A_COL=a_layout == "col", BK=BLOCK_K, **kw,
       **quant_params(fmt, BLOCK_K, "row", ue8m0, target))
   return to_fp8(q, fmt), scale

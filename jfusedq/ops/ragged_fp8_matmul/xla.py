@@ -67,13 +67,18 @@ def ragged_matmul(a, w, group_sizes, rows=None, out_dtype=jnp.bfloat16) -> jax.A
   return _tiled(a.astype(jnp.float32), weight, e, n, group_sizes, rows, out_dtype)
 
 
-def ragged_swiglu(a: QuantizedActivation, gate, gate_scale, up, up_scale, group_sizes, rows,
-                  act: str, dtype, fmt: Fp8Format, ue8m0: bool) -> QuantizedActivation:
+def ragged_swiglu(a, gate, gate_scale, up, up_scale, group_sizes, rows, act: str, dtype,
+                  fmt: Fp8Format | None, ue8m0: bool):
   """As `reference.ragged_swiglu`: both products in one loop over the filled tiles (each step
   one [rows, 2N] product against the expert's gate and up side by side)."""
-  weight = lambda i: jnp.concatenate([dequantize_weight(gate[i], gate_scale[i]),
-                                      dequantize_weight(up[i], up_scale[i])])
+  if gate_scale is None:
+    weight = lambda i: jnp.concatenate([gate[i], up[i]]).astype(jnp.float32)
+    x = a.astype(jnp.float32)
+  else:
+    weight = lambda i: jnp.concatenate([dequantize_weight(gate[i], gate_scale[i]),
+                                        dequantize_weight(up[i], up_scale[i])])
+    x = a.dequantize(jnp.float32)
   e, n, _ = gate.shape
-  gu = _tiled(a.dequantize(jnp.float32), weight, e, 2 * n, group_sizes, rows, dtype)
-  return group_quant(swiglu(gu[:, :n], gu[:, n:], act, dtype), fmt, group_size=BLOCK,
-                     ue8m0=ue8m0)
+  gu = _tiled(x, weight, e, 2 * n, group_sizes, rows, dtype)
+  h = swiglu(gu[:, :n], gu[:, n:], act, dtype)
+  return h if gate_scale is None else group_quant(h, fmt, group_size=BLOCK, ue8m0=ue8m0)
