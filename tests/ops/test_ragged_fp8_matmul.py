@@ -233,6 +233,9 @@ def test_swiglu_errors():
     ragged_swiglu(x, wg, sg, wu, su, sizes, config=Config(16, 64, 1))
   with pytest.raises(InputError, match="k_splits=1"):
     ragged_swiglu(x, wg, sg, wu, su, sizes, config=Config(16, 128, 2))
+  hp = jnp.zeros((3, 256, 256), jnp.bfloat16)
+  with pytest.raises(InputError, match="k_splits=1"):
+    ragged_swiglu(x, hp, None, hp, None, sizes, config=Config(16, 64, 2))
   with pytest.raises(DTypeError, match="dtype"):
     ragged_swiglu(x, wg, sg, wu, su, sizes, dtype=jnp.int32)
   with pytest.raises(InputError, match="group_sizes has 2 groups"):
@@ -240,7 +243,6 @@ def test_swiglu_errors():
   with pytest.raises(InputError, match="both be arrays"):
     ragged_swiglu(x, wg, sg, wu, None, sizes)
   qa = group_quant(x, fmt="e4m3fn", implementation="xla")
-  hp = jnp.zeros((3, 256, 256), jnp.bfloat16)
   with pytest.raises(InputError, match="unquantised"):
     ragged_swiglu(qa, hp, None, hp, None, sizes)
   with pytest.raises(InputError, match="K = 128"):

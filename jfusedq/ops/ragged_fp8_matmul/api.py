@@ -128,8 +128,8 @@ def ragged_swiglu(a: jax.Array | QuantizedActivation, gate: jax.Array,
     ue8m0: power-of-two scales for both quantisations (of `a` if bf16, and of the hidden).
     implementation: "triton", "xla", a sequence tried in order, or None (Triton then XLA on a
       GPU, XLA elsewhere).
-    config: the Triton tiling (`pallas.Config` with block_n 128 and no K split: the FP8
-      epilogue quantises whole 128-column groups of whole sums; default
+    config: the Triton tiling (`pallas.Config` with no K split, and block_n 128 for FP8
+      weights: the epilogue quantises whole 128-column groups; default
       `triton.swiglu_config`).
   Returns:
     FP8: a QuantizedActivation, codes `[M, N]`, scales `[M, ceil(N/128)]` (layout "row").
@@ -155,9 +155,10 @@ def ragged_swiglu(a: jax.Array | QuantizedActivation, gate: jax.Array,
     raise InputError(f"act must be one of {ACTIVATIONS}, got {act!r}")
   if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize > 4:
     raise DTypeError(f"dtype must be bfloat16, float16 or float32, got {jnp.dtype(dtype)}")
-  if config is not None and (config.block_n != BLOCK or config.k_splits != 1):
-    raise InputError(f"ragged_swiglu needs block_n={BLOCK} and k_splits=1 (its epilogue "
-                     f"quantises whole groups of whole sums), got {config}")
+  if config is not None and (config.k_splits != 1 or quantized and config.block_n != BLOCK):
+    raise InputError(f"ragged_swiglu needs k_splits=1 (its activation takes whole sums) and "
+                     f"with FP8 weights block_n={BLOCK} (whole quantisation groups), got "
+                     f"{config}")
   e = gate.shape[0]
   implementation = _dispatch.requested("ragged_swiglu", implementation)
   fmt = fp8_api.activation_format(gate.dtype) if quantized else None

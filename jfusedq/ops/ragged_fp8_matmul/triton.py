@@ -222,11 +222,11 @@ def ragged_matmul(a: jax.Array, sa: jax.Array | None, a_layout: str, w: jax.Arra
 
 def swiglu_config(m: int, n: int, k: int, groups: int, device_kind: str | None = None,
                   scaled: bool = True) -> Config:
-  """`heuristics`' row tile with 128 columns (one quantisation group a row) and no K split (the
-  epilogue needs the whole sum); two weights a stage, so the 128-row tile keeps 3 stages
-  (3 x 48 KB of shared memory for fp8; bf16 stages are 64 deep in K, the same bytes)."""
+  """`heuristics`' tiling without its K split (the activation needs whole sums); FP8 with 128
+  columns (one quantisation group a row). Two weights a stage, so the 128-row tile keeps 3
+  stages (3 x 48 KB of shared memory for fp8; bf16 stages are 64 deep in K, the same bytes)."""
   c = heuristics(m, n, k, groups, device_kind, scaled)
-  return Config(c.block_m, 128, 1, num_warps=c.num_warps,
+  return Config(c.block_m, 128 if scaled else c.block_n, 1, num_warps=c.num_warps,
                 num_stages=3 if c.block_m == 128 else c.num_stages)
 
 
