@@ -230,6 +230,14 @@ SPECS = {
 SPECS["moe_gemm_qwen_h100"] = dataclasses.replace(
     SPECS["moe_gemm"], title="MoE expert GEMMs at Qwen3.5-397B's 512 experts, on an H100",
     headline=())
+SPECS["moe_gemm_swiglu_h100"] = dataclasses.replace(
+    SPECS["moe_gemm"], title="MoE experts' first half (`jf.ragged_swiglu`, gate_up) against its "
+    "unfused steps, and the ragged kernels at fixed tilings (`--tiles`), on an H100",
+    summary=(("routed TFLOP/s", field("tflops", 1)), ("of roofline", field("roofline_frac")),
+             ("vs unfused", lambda r, by: ratio(by.get("unfused"), r))),
+    headline=())
+SPECS["prefill_h100"] = dataclasses.replace(
+    SPECS["prefill"], title="Prefill of the model presets, on an H100", headline=())
 ORDER = list(SPECS)
 
 
