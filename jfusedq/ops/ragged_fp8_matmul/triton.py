@@ -1,4 +1,4 @@
-"""Triton kernel for the ragged products: MoE experts over rows sorted by expert.
+"""Triton kernels for the ragged products: MoE experts over rows sorted by expert.
 
 Grid (row tiles x N blocks, K splits), the tiles those of `tiles.tile_map` (one expert each,
 from the start of its group), ordered in groups of GROUP_M tiles as the dense kernel orders row
@@ -9,6 +9,11 @@ runs the dense kernel's main loop (`fp8_matmul.triton.scaled_dot`) against that 
 weight, read in place. Tiles of the zero pseudo-group write zeros; tiles past the routed count
 skip the loop and store nothing. FP8 operands take the 1 x 128 / 128 x 128 block scales; bf16
 operands (the unquantised path) none.
+
+`ragged_swiglu_kernel` (and `_hp_` for bf16) tiles the same way with no K split and runs the
+gate and up products in one loop (`scaled_dot`'s PAIR: each activation block loaded once for
+both), then the activation on the tile in registers and, for FP8, the hidden's quantisation
+(`group_quant.triton.store_quant`: a 128-column tile holds each row's whole group).
 """
 
 from __future__ import annotations
