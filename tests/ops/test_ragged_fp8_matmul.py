@@ -127,13 +127,16 @@ def assert_hidden_close(got, want, codes=0.02):
 @pytest.mark.parametrize("impl", IMPLS)
 class TestSwiglu:
 
-  @pytest.mark.parametrize("route,act", [("uniform", "silu_mul"), ("skewed", "silu_round_mul"),
-                                         ("one_expert", "silu_round_mul"), ("tail", "silu_mul")])
-  # 160 rows in 2 experts: prefill's 128-row tiles (two warp groups), kept small because the
-  # Triton interpreter runs it.
-  @pytest.mark.parametrize("m,e,n,k", [(1, 5, 256, 384), (37, 6, PARTIAL_N, PARTIAL_K),
-                                       (160, 2, 128, 256)])
-  def test_routings_and_shapes(self, impl, route, act, m, e, n, k):
+  # T = 1; partial N and K blocks with decode tiles; 160 rows in 2 experts: prefill's 128-row
+  # tiles (two warp groups). Not every product of routing and shape: the Triton interpreter
+  # runs each case.
+  @pytest.mark.parametrize("m,e,n,k,route,act", [
+      (1, 5, 256, 384, "uniform", "silu_mul"), (1, 5, 256, 384, "one_expert", "silu_round_mul"),
+      (37, 6, PARTIAL_N, PARTIAL_K, "uniform", "silu_mul"),
+      (37, 6, PARTIAL_N, PARTIAL_K, "skewed", "silu_round_mul"),
+      (37, 6, PARTIAL_N, PARTIAL_K, "tail", "silu_mul"),
+      (160, 2, 128, 256, "uniform", "silu_mul"), (160, 2, 128, 256, "tail", "silu_round_mul")])
+  def test_routings_and_shapes(self, impl, m, e, n, k, route, act):
     (wg, sg), (wu, su) = (experts((p, m, e, n, k), e, n, k) for p in "gu")
     x = activations(rng("sx", m, k), (m, k))
     sizes = routing(("sr", route, m), route, m, e)
