@@ -8,6 +8,8 @@
 # bound the parts.
 # The model benchmarks (decode, prefill) need flax: `make gpu-wheels` here, and carry .whl.
 # Usage on the device: bash benchmarks/gpu_run.sh <commit-sha> [name[:flags] ...]
+# Write the sha out as this checkout's (`git rev-parse --short HEAD` here): the device machine's
+# copy of the tree carries the files, but its git HEAD can be an older commit.
 # Then, here: copy $OUT/<benchmark>.json over benchmarks/results/ and run benchmarks/report.py.
 set -uo pipefail
 commit=${1:?commit sha of the code being measured}; shift
