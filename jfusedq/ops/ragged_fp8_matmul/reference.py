@@ -28,11 +28,15 @@ def swiglu(g: jax.Array, u: jax.Array, act: str, dtype) -> jax.Array:
   projections output them): "silu_mul" `silu(g) * u` in f32, rounded once (DeepSeek-V3);
   "silu_round_mul" `silu(g)` rounded to dtype, times u, rounded (Hugging Face's Qwen3.5
   experts). `silu(x) = x * sigmoid(x)`."""
-  g, u = (v.astype(dtype).astype(jnp.float32) for v in (g, u))
+  # Each rounding as reduce_precision in f32: under jit XLA on GPU may drop an f32 -> bf16 ->
+  # f32 round trip (excess precision allowed), never a reduce_precision.
+  info = jnp.finfo(dtype)
+  rounded = lambda v: jax.lax.reduce_precision(v.astype(jnp.float32), info.nexp, info.nmant)
+  g, u = rounded(g), rounded(u)
   s = jax.nn.silu(g)
   if act == "silu_round_mul":
-    s = s.astype(dtype).astype(jnp.float32)
-  return (s * u).astype(dtype)
+    s = rounded(s)
+  return rounded(s * u).astype(dtype)
 
 
 def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array, rows, out_dtype) -> jax.Array:
