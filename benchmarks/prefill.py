@@ -39,7 +39,7 @@ the measurement that sets PREFILL_CHUNK.
 
 Run: python benchmarks/prefill.py [--presets deepseek-v3-deep qwen3.5-deep] [--batch 1]
      [--tokens 4096 16384 32768] [--paths fused unfused bf16] [--chunks C ...]
-     [--check-tokens 4096] [--reps 3] [--out DIR] [--commit SHA] [--smoke]
+     [--check-tokens 4096] [--reps 3] [--tag TAG] [--out DIR] [--commit SHA] [--smoke]
 """
 
 from __future__ import annotations
@@ -174,6 +174,7 @@ def main():
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--commit", default="unknown")
+  ap.add_argument("--tag", default="", help="results file prefill_<tag>.json")
   ap.add_argument("--smoke", action="store_true", help="tiny presets, to check the script on CPU")
   args = ap.parse_args()
   if args.smoke:
@@ -190,7 +191,7 @@ def main():
   check_at = max((t for t in args.tokens if t <= args.check_tokens), default=None)
   tokens = sorted(args.tokens, key=lambda t: (t != check_at, t))
   sweep = len(args.chunks) > 1
-  name = "prefill_chunks" if sweep else "prefill"
+  name = ("prefill_chunks" if sweep else "prefill") + (f"_{args.tag}" if args.tag else "")
   rows = []
   print(f"{'preset':>18} {'B':>2} {'tokens':>6} {'chunk':>6} {'path':>8} {'ms':>10} "
         f"{'tok/s':>10} {'roof':>5} {'peak GB':>8} {'temp GB':>8} ok")

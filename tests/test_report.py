@@ -25,7 +25,9 @@ MODES = {"fp8_matmul_prefill": "fp8_matmul",  # fp8_matmul.py --prefill
          # --sweep --sweep-impl mosaic_gpu --sweep-vary pingpong --tag pingpong
          "fp8_matmul_sweep_mosaic_gpu_pingpong": "fp8_matmul",
          "mla_decode_sweep": "mla_decode",  # --sweep --tag sweep
-         "moe_gemm_qwen_h100": "moe_gemm"}  # --models qwen3.5 --tag qwen_h100
+         "moe_gemm_qwen_h100": "moe_gemm",  # --models qwen3.5 --tag qwen_h100
+         "moe_gemm_swiglu_h100": "moe_gemm",  # --projs gate_up up --tiles ... --tag swiglu_h100
+         "prefill_h100": "prefill"}  # --tag h100
 
 
 def test_one_file_per_benchmark():
