@@ -31,8 +31,6 @@ from flax import nnx
 from jfusedq.fp8 import QuantizedActivation
 from jfusedq.nn import StackedLinear, high_precision
 from jfusedq.ops import _common, _dispatch
-from jfusedq.ops.fp8_matmul import activation_format, scale_layout
-from jfusedq.ops.group_quant import group_quant
 from jfusedq.ops.ragged_fp8_matmul import ragged_swiglu
 from jfusedq.ops.ragged_fp8_matmul.reference import swiglu
 
@@ -91,11 +89,7 @@ class Experts(nnx.Module):
     order = jnp.argsort(key, stable=True)
     rows = (order // k).astype(jnp.int32)  # the token of each sorted pair
     sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)
-    if self.takes_fp8 and not isinstance(x, QuantizedActivation):
-      # Once for both projections (each would quantise its own copy).
-      x = group_quant(x, fmt=activation_format(self.gate_proj.weight.dtype),
-                      ue8m0=self.gate_proj.ue8m0, layout=scale_layout(m),
-                      implementation=self.gate_proj.implementation)
+    # One kernel takes x for both projections: with FP8 weights it quantises a bf16 x itself.
     g, u = self.gate_proj, self.up_proj
     scale = lambda p: p.weight_scale_inv[...] if self.takes_fp8 else None
     h = ragged_swiglu(x if self.takes_fp8 else high_precision(x).astype(self.dtype),
