@@ -132,12 +132,19 @@ IMPLS = {
 }
 
 
-def hidden(impl):
-  """`gate_up` by `ragged_swiglu` on `impl`: the hidden's (codes, scales)."""
+def hidden(impl, config=None):
+  """`gate_up` by `ragged_swiglu` on `impl` (at `config`): the hidden's (codes, scales)."""
   def run(qa, qw, sw, sizes, rows, idx):
-    h = ragged_swiglu(qa, qw[0], sw[0], qw[1], sw[1], sizes, rows=rows, implementation=impl)
+    h = ragged_swiglu(qa, qw[0], sw[0], qw[1], sw[1], sizes, rows=rows, config=config,
+                      implementation=impl)
     return h.q, h.scale
   return run
+
+
+def product(config):
+  """`up` / `down` by the Triton ragged kernel at `config`."""
+  return lambda qa, qw, sw, sizes, rows, idx: ragged_fp8_matmul(
+      qa, qw, sw, sizes, rows=rows, config=config, implementation="triton")
 
 
 def unfused(qa, qw, sw, sizes, rows, idx):
@@ -158,19 +165,11 @@ def tiled(proj: str, tiles: list[str]) -> dict:
   ops = {}
   for spec in tiles:
     bm, bn, warps, stages = map(int, spec.split(","))
-    cfg = Config(bm, bn, 1, num_warps=warps, num_stages=stages)
     if proj == "gate_up" and bn != 128:
       continue
-    if proj == "gate_up":
-      def op(qa, qw, sw, sizes, rows, idx, cfg=cfg):
-        h = ragged_swiglu(qa, qw[0], sw[0], qw[1], sw[1], sizes, rows=rows, config=cfg,
-                          implementation="triton")
-        return h.q, h.scale
-    else:
-      def op(qa, qw, sw, sizes, rows, idx, cfg=cfg):
-        return ragged_fp8_matmul(qa, qw, sw, sizes, rows=rows, config=cfg,
-                                 implementation="triton")
-    ops[f"triton {bm}x{bn}/{warps}/{stages}"] = op
+    cfg = Config(bm, bn, 1, num_warps=warps, num_stages=stages)
+    ops[f"triton {bm}x{bn}/{warps}/{stages}"] = (hidden("triton", cfg) if proj == "gate_up"
+                                                  else product(cfg))
   return ops
 
 
