@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _harness  # noqa: E402
-from jfusedq import default_format, group_quant, mla_decode  # noqa: E402
+from jfusedq import _target, default_format, group_quant, mla_decode  # noqa: E402
 from jfusedq.ops.mla_decode import triton as mla_triton  # noqa: E402
 from jfusedq.testing import rel_rms  # noqa: E402
 from models import run as runner  # noqa: E402
@@ -59,15 +59,24 @@ def make_problem(b, nh, s, cache, seed):
   return make
 
 
+# The sweep's tilings besides the pick: (block_h, block_s, num_warps, flat); each runs at the
+# splits that give it about two programs an SM, and at twice those.
+SWEEP = [(16, 32, 4, False), (32, 32, 4, False), (16, 32, 4, True), (32, 32, 4, True),
+         (64, 16, 8, True), (64, 32, 8, True), (64, 64, 8, True), (64, 32, 4, True)]
+
+
 def configs(b, nh, s, sweep):
-  """(name, config) pairs: the heuristic's pick, and with `sweep` its neighbours."""
+  """(name, config) pairs: the heuristic's pick, and with `sweep` the SWEEP tilings."""
   h = mla_triton.heuristics(b, nh, s)
   out = [("heuristic", h)]
   if sweep:
-    out += [(f"block_s={bs},warps={w}", dataclasses.replace(h, block_s=bs, num_warps=w))
-            for bs in (16, 32, 64) for w in (4, 8) if (bs, w) != (h.block_s, h.num_warps)]
-    out += [(f"block_h=32,splits={sp}", dataclasses.replace(h, block_h=32, splits=sp))
-            for sp in (h.splits, 2 * h.splits)]
+    sms = _target.sm_count()
+    for bh, bs, w, flat in SWEEP:
+      base = max(1, min(-(-2 * sms // (b * -(-nh // bh))), -(-s // 128)))
+      for sp in dict.fromkeys((base, min(2 * base, -(-s // bs)))):
+        cfg = mla_triton.Config(block_h=bh, block_s=bs, num_warps=w, splits=sp, flat=flat)
+        if cfg != h:
+          out.append((str(cfg), cfg))
   return out
 
 

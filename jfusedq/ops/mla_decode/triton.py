@@ -31,13 +31,15 @@ MIN_DOT = 16  # tl.dot's smallest M, N and K
 @dataclasses.dataclass(frozen=True)
 class Config:
   """block_h query heads a program and block_s slots a step; splits of the slots (a grid
-  axis)."""
+  axis); flat: the latent dequantised to bf16 a block and 2-D products (Hopper's wgmma from 64
+  heads a program) instead of per-group batched products on the exact codes."""
 
   block_h: int = 32
   block_s: int = 32
   splits: int = 1
   num_warps: int = 4
   num_stages: int = 2
+  flat: bool = False
 
   def __post_init__(self):
     for f in ("block_h", "block_s"):
@@ -64,8 +66,8 @@ def mla_decode_kernel(ql_ptr, qp_ptr, kv_ptr, ks_ptr, kp_ptr, pos_ptr, o_ptr, ls
                       T: tl.constexpr, NH: tl.constexpr, S: tl.constexpr, L: tl.constexpr,
                       R: tl.constexpr, GP: tl.constexpr, RP: tl.constexpr,
                       SCALE: tl.constexpr, SPLIT: tl.constexpr, SPLITS: tl.constexpr,
-                      SCALED: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_S: tl.constexpr):
+                      SCALED: tl.constexpr, FLAT: tl.constexpr, GROUP: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
   G: tl.constexpr = (L + GROUP - 1) // GROUP
   pid_h, pid_s, pid_bt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
   b = pid_bt // T
@@ -73,7 +75,7 @@ def mla_decode_kernel(ql_ptr, qp_ptr, kv_ptr, ks_ptr, kp_ptr, pos_ptr, o_ptr, ls
   start = pid_s * SPLIT
   end = tl.minimum(tl.minimum(start + SPLIT, last + 1), S)
 
-  # The latent axis as [groups, 128]: every product along it is a batch of per-group dots.
+  # The latent axis as [groups, 128]: each slot's scales broadcast over their groups.
   rg = tl.arange(0, GP)
   col = rg[:, None, None] * GROUP + tl.arange(0, GROUP)[None, None, :]  # [GP, 1, GROUP]
   c_ok = col < L
@@ -81,47 +83,89 @@ def mla_decode_kernel(ql_ptr, qp_ptr, kv_ptr, ks_ptr, kp_ptr, pos_ptr, o_ptr, ls
   rr = tl.arange(0, RP)
   h_ok, r_ok = rh < NH, rr < R
   q_row = (pid_bt * NH + rh).to(tl.int64)
-  q_lat = tl.load(ql_ptr + q_row[None, :, None] * L + col, mask=h_ok[None, :, None] & c_ok,
-                  other=0.0).to(tl.bfloat16)  # [GP, BLOCK_H, GROUP]
   q_pe = tl.load(qp_ptr + q_row[:, None] * R + rr[None, :],
                  mask=h_ok[:, None] & r_ok[None, :], other=0.0).to(tl.bfloat16)
+  if FLAT:
+    cg = tl.arange(0, GROUP)
+    q_lat = ()
+    acc = ()
+    for g in tl.static_range(G):
+      c = g * GROUP + cg
+      q_lat = q_lat + (tl.load(ql_ptr + q_row[:, None] * L + c[None, :],
+                               mask=h_ok[:, None] & (c < L)[None, :], other=0.0).to(tl.bfloat16),)
+      acc = acc + (tl.zeros([BLOCK_H, GROUP], tl.float32),)
+  else:
+    q_lat = tl.load(ql_ptr + q_row[None, :, None] * L + col,
+                    mask=h_ok[None, :, None] & c_ok, other=0.0).to(tl.bfloat16)
+    acc = tl.zeros([GP, BLOCK_H, GROUP], tl.float32)
 
   m = tl.full([BLOCK_H], float("-inf"), tl.float32)
   den = tl.zeros([BLOCK_H], tl.float32)
-  acc = tl.zeros([GP, BLOCK_H, GROUP], tl.float32)
   for s0 in range(start, end, BLOCK_S):
     rs = s0 + tl.arange(0, BLOCK_S)
     s_ok = rs < end
     slot = (b * S + rs).to(tl.int64)
-    # Codes (or bf16 latent) exact in bf16: [GP, BLOCK_S, GROUP].
-    kv = tl.load(kv_ptr + slot[None, :, None] * L + col, mask=s_ok[None, :, None] & c_ok,
-                 other=0.0).to(tl.bfloat16)
     kp = tl.load(kp_ptr + slot[:, None] * R + rr[None, :], mask=s_ok[:, None] & r_ok[None, :],
                  other=0.0).to(tl.bfloat16)
-    per_group = tl.dot(q_lat, tl.trans(kv, (0, 2, 1)))  # [GP, BLOCK_H, BLOCK_S] f32
-    if SCALED:
-      sc = tl.load(ks_ptr + slot[None, :] * G + rg[:, None],
-                   mask=(rg < G)[:, None] & s_ok[None, :], other=0.0)  # [GP, BLOCK_S]
-      per_group = per_group * sc[:, None, :]
-    s = tl.sum(per_group, 0) + tl.dot(q_pe, tl.trans(kp))
+    if FLAT:
+      # One 2-D product a group (Hopper's wgmma from 64 heads a program), the group's codes
+      # and scales kept for the output's product.
+      s = tl.dot(q_pe, tl.trans(kp))
+      kv = ()
+      sc = ()
+      for g in tl.static_range(G):
+        c = g * GROUP + cg
+        kv_g = tl.load(kv_ptr + slot[:, None] * L + c[None, :],
+                       mask=s_ok[:, None] & (c < L)[None, :], other=0.0).to(tl.bfloat16)
+        part = tl.dot(q_lat[g], tl.trans(kv_g))
+        if SCALED:
+          sc_g = tl.load(ks_ptr + slot * G + g, mask=s_ok, other=0.0)  # [BLOCK_S]
+          part = part * sc_g[None, :]
+          sc = sc + (sc_g,)
+        s += part
+        kv = kv + (kv_g,)
+    else:
+      # Codes (or bf16 latent) exact in bf16: [GP, BLOCK_S, GROUP], per-group batched dots.
+      kv = tl.load(kv_ptr + slot[None, :, None] * L + col, mask=s_ok[None, :, None] & c_ok,
+                   other=0.0).to(tl.bfloat16)
+      per_group = tl.dot(q_lat, tl.trans(kv, (0, 2, 1)))  # [GP, BLOCK_H, BLOCK_S] f32
+      if SCALED:
+        sc = tl.load(ks_ptr + slot[None, :] * G + rg[:, None],
+                     mask=(rg < G)[:, None] & s_ok[None, :], other=0.0)  # [GP, BLOCK_S]
+        per_group = per_group * sc[:, None, :]
+      s = tl.sum(per_group, 0) + tl.dot(q_pe, tl.trans(kp))
     s = tl.where(s_ok[None, :], s * SCALE, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new[:, None])
     den = den * alpha + tl.sum(p, 1)
-    # p . latent per group: the group's scale varies along the slots, so it weighs p.
-    if SCALED:
-      pg = (p[None, :, :] * sc[:, None, :]).to(tl.bfloat16)
+    if FLAT:
+      new = ()
+      for g in tl.static_range(G):
+        pg = (p * sc[g][None, :]).to(tl.bfloat16) if SCALED else p.to(tl.bfloat16)
+        new = new + (acc[g] * alpha[:, None] + tl.dot(pg, kv[g]),)
+      acc = new
     else:
-      pg = tl.broadcast_to(p.to(tl.bfloat16)[None, :, :], [GP, BLOCK_H, BLOCK_S])
-    acc = acc * alpha[None, :, None] + tl.dot(pg, kv)
+      # p . latent per group: the group's scale varies along the slots, so it weighs p.
+      if SCALED:
+        pg = (p[None, :, :] * sc[:, None, :]).to(tl.bfloat16)
+      else:
+        pg = tl.broadcast_to(p.to(tl.bfloat16)[None, :, :], [GP, BLOCK_H, BLOCK_S])
+      acc = acc * alpha[None, :, None] + tl.dot(pg, kv)
     m = m_new
   # A split past the token's position ran no step: den 0, lse -inf, output 0 (weight 0).
   seen = den > 0
-  o = acc / tl.where(seen, den, 1.0)[None, :, None]
-  lse = tl.where(seen, m + tl.log(tl.where(seen, den, 1.0)), float("-inf"))
+  d = tl.where(seen, den, 1.0)
+  lse = tl.where(seen, m + tl.log(d), float("-inf"))
   o_row = ((pid_bt * SPLITS + pid_s) * NH + rh).to(tl.int64)
-  tl.store(o_ptr + o_row[None, :, None] * L + col, o, mask=h_ok[None, :, None] & c_ok)
+  if FLAT:
+    for g in tl.static_range(G):
+      c = g * GROUP + cg
+      tl.store(o_ptr + o_row[:, None] * L + c[None, :], acc[g] / d[:, None],
+               mask=h_ok[:, None] & (c < L)[None, :])
+  else:
+    tl.store(o_ptr + o_row[None, :, None] * L + col, acc / d[None, :, None],
+             mask=h_ok[None, :, None] & c_ok)
   tl.store(lse_ptr + o_row, lse, mask=h_ok)
 
 
@@ -142,7 +186,8 @@ def mla_decode(q_lat, q_pe, kv, kv_scale, k_pe, pos, scale: float, config: Confi
       grid=(-(-nh // config.block_h), splits, b * t), num_warps=config.num_warps,
       num_stages=config.num_stages, T=t, NH=nh, S=slots, L=l, R=r,
       GP=_common.pow2_ceil(-(-l // BLOCK)), RP=max(MIN_DOT, _common.pow2_ceil(r)),
-      SCALE=float(scale), SPLIT=split, SPLITS=splits, SCALED=kv_scale is not None, GROUP=BLOCK,
+      SCALE=float(scale), SPLIT=split, SPLITS=splits, SCALED=kv_scale is not None,
+      FLAT=config.flat, GROUP=BLOCK,
       BLOCK_H=config.block_h, BLOCK_S=bs)
   if splits > 1:
     top = jnp.max(lse, axis=1, keepdims=True)  # split 0 holds slot 0: finite
