@@ -16,6 +16,7 @@ from jfusedq import (Fp8Format, Unsupported, _target, _triton, fp8_matmul, group
                      ragged_swiglu, rmsnorm, rmsnorm_quant)
 from jfusedq.nn import StackedLinear, quantize_weight
 from jfusedq.ops.fp8_matmul import Config
+from jfusedq.ops.mla_decode.triton import Config as MlaConfig
 from helpers import TRITON_CALL, lower
 
 
@@ -183,8 +184,8 @@ def matmul_ops(fmt):
 
 
 def decode_ops(fmt):
-  """MLA decode over an FP8 latent cache (DeepSeek-V3's widths, 128 heads, slots split) and a
-  bf16 one (odd heads and slots)."""
+  """MLA decode over an FP8 latent cache (DeepSeek-V3's widths, 128 heads, slots split), a
+  bf16 one (odd heads and slots), and the FP8 one in the flat form at 64 heads a program."""
   r = np.random.default_rng(10)
   q_lat = jnp.asarray(r.standard_normal((1, 1, 128, 512)), jnp.bfloat16)
   q_pe = jnp.asarray(r.standard_normal((1, 1, 128, 64)), jnp.bfloat16)
@@ -194,7 +195,10 @@ def decode_ops(fmt):
   return [lambda: mla_decode(q_lat, q_pe, lat.q, lat.scale, k_pe, pos=4000, scale=0.1,
                              implementation="triton"),
           lambda: mla_decode(q_lat[:, :, :20], q_pe[:, :, :20], lat.dequantize()[:, :300],
-                             None, k_pe[:, :300], pos=200, scale=0.1, implementation="triton")]
+                             None, k_pe[:, :300], pos=200, scale=0.1, implementation="triton"),
+          lambda: mla_decode(q_lat, q_pe, lat.q, lat.scale, k_pe, pos=4000, scale=0.1,
+                             implementation="triton", config=MlaConfig(
+                                 block_h=64, num_warps=8, splits=8, flat=True))]
 
 
 @pytest.mark.lowering
@@ -203,11 +207,11 @@ def test_mla_decode_compiles_to_mma(monkeypatch, target):
   pytest.importorskip("triton")
   fmt = Fp8Format.e4m3fnuz() if target == "gfx942" else Fp8Format.e4m3fn()
   calls = recorded_calls(monkeypatch, target, decode_ops(fmt))
-  assert len(calls) == 2
-  for call in calls:
+  assert len(calls) == 3
+  for i, call in enumerate(calls):
     asm = compile_call(target, call).asm
     if target == "h200":
-      assert "mma" in asm["ptx"] and "bf16" in asm["ptx"]
+      assert ("wgmma.mma_async" if i == 2 else "mma") in asm["ptx"] and "bf16" in asm["ptx"]
     else:
       assert re.search(r"v_mfma_f32_\w+bf16", asm["amdgcn"])
 
