@@ -39,7 +39,7 @@ rest (`pallas`: kernels XLA compiles from Pallas-Triton; `triton`: Triton-langua
 also compiled by XLA).
 
 Run: python benchmarks/decode.py [--presets deepseek-v3-layers ...] [--batches 1 8 32 64]
-     [--tp N] [--context 256] [--wall] [--no-xla-check] [--impls default pallas triton]
+     [--tp N] [--context 256 ...] [--paths unfused fused bf16] [--wall] [--no-xla-check] [--impls default pallas triton]
      [--tag TAG] [--out DIR] [--commit SHA] [--smoke]
 """
 
@@ -91,7 +91,10 @@ def main():
   ap.add_argument("--presets", nargs="+", default=["deepseek-v3-layers", "qwen3.5-layers"])
   ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
   ap.add_argument("--tp", type=int, default=1)
-  ap.add_argument("--context", type=int, default=256, help="tokens already in the cache")
+  ap.add_argument("--context", nargs="+", type=int, default=[256],
+                  help="tokens already in the cache (each a row)")
+  ap.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
+                  help="the paths timed (vs_xla needs unfused)")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--commit", default="unknown")
   ap.add_argument("--smoke", action="store_true", help="tiny presets, to check the script on CPU")
@@ -123,7 +126,7 @@ def main():
 
     def paths(impl) -> dict:
       """{path: (model, forward, params)} on backend `impl`."""
-      models = {p: built.path(p, implementation=impl) for p in PATHS}
+      models = {p: built.path(p, implementation=impl) for p in args.paths}
       return {p: (m, *runner.forward_fn(m, args.tp)) for p, m in models.items()}
 
     ref_paths = paths("xla") if args.xla_check else None
@@ -131,7 +134,9 @@ def main():
     for impl in args.impls:
       kernel_paths = paths(IMPLS[impl])
       for b in args.batches:
-        run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, ref_logits, bw, rows)
+        for context in args.context:
+          run_batch(args, preset, impl, b, context, built, kernel_paths, ref_paths, ref_logits,
+                    bw, rows)
         # after every batch: a run cut off by a time limit keeps the rows it finished
         _harness.write_results(f"decode_{args.tag}" if args.tag else "decode", rows,
                                {"copy_tbps": round(bw, 3)}, args.commit, args.out)
@@ -163,16 +168,18 @@ def serving(forward, params, model, b, context, tok0):
   return statistics.median(per), statistics.median(enqueue), statistics.median(one)
 
 
-def run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, ref_logits, bw, rows):
-  """Every path of one preset, backend choice and batch: times and checks, into `rows`."""
+def run_batch(args, preset, impl, b, context, built, kernel_paths, ref_paths, ref_logits, bw,
+              rows):
+  """Every path of one preset, backend choice, batch and context: times and checks, into
+  `rows`."""
   times, logits = {}, {}
-  for path in PATHS:
+  for path in args.paths:
     model, forward, params = kernel_paths[path]
     weight_bytes = cost.weight_bytes(model, b)
     vocab = model.cfg.vocab_size
     tok0 = jax.random.randint(jax.random.key(b), (b, 1), 0, vocab, jnp.int32)
-    logits[path], new_cache = forward(params, tok0, model.init_cache(b, args.context + 1),
-                                      jnp.int32(args.context))
+    logits[path], new_cache = forward(params, tok0, model.init_cache(b, context + 1),
+                                      jnp.int32(context))
 
     # Weights and cache are arguments of the timed jit: closed over, they would be
     # compiled in as constants. The cache and tokens are placed as a serving loop has
@@ -189,35 +196,37 @@ def run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, ref_logits,
               for k in keys]
 
     step = lambda params, cache, tok, forward=forward: forward(
-        params, tok, cache, jnp.int32(args.context))[0]
+        params, tok, cache, jnp.int32(context))[0]
     cache_bytes = cost.cache_bytes(new_cache)
     xla_diff = None
     if ref_paths is not None:
-      if (path, b) not in ref_logits:
+      if (path, b, context) not in ref_logits:
         ref_model, ref_forward, ref_params = ref_paths[path]
-        ref_logits[path, b] = ref_forward(ref_params, tok0,
-                                          ref_model.init_cache(b, args.context + 1),
-                                          jnp.int32(args.context))[0]
-      xla_diff = rel_rms(logits[path], ref_logits[path, b])
+        ref_logits[path, b, context] = ref_forward(ref_params, tok0,
+                                                   ref_model.init_cache(b, context + 1),
+                                                   jnp.int32(context))[0]
+      xla_diff = rel_rms(logits[path], ref_logits[path, b, context])
     read = weight_bytes + cache_bytes if args.tp == 1 else None
     # One step per timed jit, one compile (the counts read the same program): a step is a
     # whole model, and its compile dominates the run.
     m = _harness.measure(step, make, 1, chain=False, hlo=True)
     counts = kernel_counts(m["hlo"])
-    steady_s, enqueue_s, dispatch_s = serving(forward, params, model, b, args.context, tok0)
+    steady_s, enqueue_s, dispatch_s = serving(forward, params, model, b, context, tok0)
     sec = (not args.wall and m["kernel_s"]) or steady_s
     times[path] = sec
-    diff = rel_rms(logits[path], logits["unfused"])
+    diff = rel_rms(logits[path], logits["unfused"]) if "unfused" in logits else None
     finite = bool(jnp.all(jnp.isfinite(logits[path])))
     ok = finite and (xla_diff is None or xla_diff <= xla_tol(len(model.layers)))
-    rows.append(dict(case=dict(preset=preset, batch=b, tp=args.tp, context=args.context,
+    rows.append(dict(case=dict(preset=preset, batch=b, tp=args.tp, context=context,
                                 implementation=impl),
                      impl=path, time_us=round(sec * 1e6, 2),
                      tbps=read and round(read / sec / 1e12, 3), tflops=None,
                      roofline_frac=read and round(cost.step_floor(read, bw) / sec, 3),
-                     vs_xla=round(times["unfused"] / sec, 4), correct=ok,
+                     vs_xla=round(times["unfused"] / sec, 4) if "unfused" in times else None,
+                     correct=ok,
                      logits_rel_rms_vs_xla=xla_diff and round(xla_diff, 6),
-                     logits_rel_rms_vs_unfused=round(diff, 5), weight_bytes=weight_bytes,
+                     logits_rel_rms_vs_unfused=diff and round(diff, 5),
+                     weight_bytes=weight_bytes,
                      cache_bytes=cache_bytes,
                      steady_us=round(steady_s * 1e6, 2), dispatch_us=round(dispatch_s * 1e6, 2),
                      enqueue_us=round(enqueue_s * 1e6, 2),
@@ -226,7 +235,8 @@ def run_batch(args, preset, impl, b, built, kernel_paths, ref_paths, ref_logits,
                      top_gaps=m.get("top_gaps"), graph_launches=m.get("graph_launches"),
                      top_host=m.get("top_host")))
     print(f"{preset:>20} {impl:>7} {b:>3} {path:>8} {sec * 1e6:9.1f} {steady_s * 1e6:9.1f} "
-          f"{enqueue_s * 1e6:8.1f} {counts['total']:7d} {times['unfused'] / sec:10.3f} "
+          f"{enqueue_s * 1e6:8.1f} {counts['total']:7d} "
+          f"{format(times['unfused'] / sec, '10.3f') if 'unfused' in times else '-':>10} "
           f"{'-' if read is None else format(rows[-1]['roofline_frac'], '5.2f'):>5} "
           f"{'yes' if rows[-1]['correct'] else 'NO'}", flush=True)
 
