@@ -283,16 +283,20 @@ class MLA(nnx.Module):
     dn = cfg.qk_nope_head_dim
     codes, scales = self._absorb()
     g = codes.shape[2]
-    f32 = lambda a: a.astype(jnp.float32)
-    dot = lambda eq, x, y: jnp.einsum(eq, x, y, precision=lax.Precision.HIGHEST)
+    # Operands in the model's dtype (the codes exact in it), sums in f32: a bf16 model's
+    # products run on bf16 tensor cores, not as f32 GEMMs; mla_decode's kernel rounds q_lat to
+    # bf16 in any case.
+    cast = lambda a: a.astype(self.dtype)
+    dot = lambda eq, x, y: jnp.einsum(eq, cast(x), cast(y), preferred_element_type=jnp.float32,
+                                      precision=lax.Precision.HIGHEST)
     # q_lat[c in group j] = sum_d (q[d] s[d, j]) codes[d, c]: the scale varies along d only.
-    qs = f32(q[..., :dn])[..., None] * scales[:, :dn]  # [B, T, NH, Dn, G]
-    q_lat = dot("bthdg,hdgc->bthgc", qs, f32(codes[:, :dn])).reshape(b, t, nh, -1)
+    qs = q[..., :dn].astype(jnp.float32)[..., None] * scales[:, :dn]  # [B, T, NH, Dn, G]
+    q_lat = dot("bthdg,hdgc->bthgc", qs, codes[:, :dn]).reshape(b, t, nh, -1)
     o_lat = mla_decode(q_lat, q[..., dn:], cache.kv, cache.kv_scale, cache.k_pe, pos=pos,
                        scale=self.scale,
                        implementation=_dispatch.among("mla_decode", self.implementation))
     # o[e] = sum_j s[e, j] (o_lat[group j] . codes[e, group j]): one scale per (row, group).
-    part = dot("bthgc,hegc->btheg", o_lat.reshape(b, t, nh, g, -1), f32(codes[:, dn:]))
+    part = dot("bthgc,hegc->btheg", o_lat.reshape(b, t, nh, g, -1), codes[:, dn:])
     o = jnp.sum(part * scales[:, dn:], axis=-1)  # [B, T, NH, Dv]
     return self.o_proj(o.reshape(b, t, -1).astype(self.dtype))
 
