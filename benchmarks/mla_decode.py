@@ -63,8 +63,7 @@ def make_problem(b, nh, s, cache, seed):
 # splits that give it about two programs an SM, at half and at twice those (a program loads its
 # heads' queries once: fewer splits read them fewer times).
 SWEEP = [(16, 32, 4, False), (32, 32, 4, False), (16, 32, 4, True), (32, 32, 4, True),
-         (64, 16, 8, True),
-         (64, 32, 8, True), (64, 64, 8, True)]
+         (64, 16, 8, True), (64, 32, 8, True), (64, 64, 8, True)]
 
 
 def configs(b, nh, s, sweep):
