@@ -3,15 +3,19 @@
 Grid (head blocks, splits, B x T), head blocks fastest, so the programs that read one split's
 cache blocks run together and share them in L2. A program holds BLOCK_H query heads of one
 token and walks its split's slots up to the token's position, BLOCK_S at a time, the latent
-axis cut into its 1 x 128 scale groups g (batched dots, the codes exact in bf16):
+axis cut into its 1 x 128 scale groups g, the codes exact in bf16:
   s      = (sum_g (q_lat_g . codes_g^T) scale_g + q_pe . k_pe^T) * scale   [BLOCK_H, BLOCK_S]
-  online softmax over the blocks; acc_g += (p scale_g) (bf16) . codes_g     [G, BLOCK_H, 128]
+  online softmax over the blocks; acc_g += (p scale_g) (bf16) . codes_g     [BLOCK_H, 128]
 in f32, and writes its split's normalised output and log-sum-exp; XLA merges the splits. No
 dequantised latent is formed: a per-slot scale applies after the score's dot and on the
 probabilities before the output's (a kernel that dequantised each [BLOCK_S, L] block in f32
 registers took 13x its bf16-cache time over a 32768-slot decode step on an H100). A bf16 cache
 (no scales) takes the same path with scale 1.
-"""
+
+Two forms of the same sums (`Config.flat`): the groups as a batch axis of 3-D products
+([G, BLOCK_H, 128] tiles: `mma.sync`), or a tuple of 2-D tiles, one product a group, which
+Hopper runs on wgmma from 64 heads a program (8 warps: the two warpgroups split the columns).
+""""""
 
 from __future__ import annotations
 
