@@ -15,7 +15,7 @@ registers took 13x its bf16-cache time over a 32768-slot decode step on an H100)
 Two forms of the same sums (`Config.flat`): the groups as a batch axis of 3-D products
 ([G, BLOCK_H, 128] tiles: `mma.sync`), or a tuple of 2-D tiles, one product a group, which
 Hopper runs on wgmma from 64 heads a program (8 warps: the two warpgroups split the columns).
-""""""
+"""
 
 from __future__ import annotations
 
