@@ -122,7 +122,7 @@ def main():
 
     # One set of weights for every backend and the XLA reference: each is the same arrays
     # rebound with another `implementation`.
-    built = runner.build(preset, tp=args.tp)
+    built = runner.build(preset, tp=args.tp, master="bf16" in args.paths)
 
     def paths(impl) -> dict:
       """{path: (model, forward, params)} on backend `impl`."""

@@ -199,7 +199,7 @@ def main():
     if preset not in runner.PRESETS:
       print(f"{preset}: not a preset here, skipped")
       continue
-    built = runner.build(preset)
+    built = runner.build(preset, master="bf16" in args.paths)
     cfg = built.model.cfg
     # More cached keys than one cuDNN segment holds, the last segment partial.
     cached = 67 if args.smoke else SEGMENT + 904

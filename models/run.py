@@ -199,13 +199,18 @@ def _rebind(model: nnx.Module, maker: Callable[[], nnx.Module]) -> nnx.Module:
 
 def build(preset: str | None = None, checkpoint: str | None = None, *, fp8: bool = True,
           fused: bool = True, tp: int = 1, dtype=jnp.bfloat16, seed: int = 0,
-          implementation: str | Sequence[str] | None = None) -> Built:
+          implementation: str | Sequence[str] | None = None, master: bool = True) -> Built:
   """A model from a preset (bf16 masters from `seed`, FP8 = those quantised) or a Hugging Face
   checkpoint, built for `tp` tensor-parallel devices (mesh axis "tp"); `implementation` is
   passed to every op the model runs (None: each op's best). `Built.make(fused, fp8=fp8,
-  implementation=implementation)` gives the other paths over the same weights."""
+  implementation=implementation)` gives the other paths over the same weights.
+  `master=False` (a preset, FP8 paths only): the FP8 weights drawn directly from `seed`, no
+  bf16 masters held (deepseek-v3-moe's FP8 weights fit an 80 GB GPU, its masters beside them
+  do not); their values differ from the quantised masters'."""
   if not checkpoint and preset not in PRESETS:
     raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+  if not master and not fp8 and not checkpoint:
+    raise ValueError("build(master=False) builds FP8 weights only; a bf16 path needs the masters")
   kw = dict(dtype=dtype, tp_axis="tp" if tp > 1 else None)
   if checkpoint:
     # Onto the mesh the run uses: each process reads only its devices' slices.
@@ -216,10 +221,12 @@ def build(preset: str | None = None, checkpoint: str | None = None, *, fp8: bool
   else:
     new = lambda fp8, fused, impl: registry.build(PRESETS[preset], seed=seed, fp8=fp8,
                                                   fused=fused, implementation=impl, **kw)
-    master = new(False, False, implementation)
+    master = new(False, False, implementation) if master else None
   made: dict[bool, nnx.Module] = {}  # fp8 -> the first model built with those weights
 
   def make(fused: bool, fp8: bool = fp8, implementation=implementation) -> nnx.Module:
+    if not fp8 and master is None and not checkpoint:
+      raise ValueError("this build holds no bf16 masters (master=False): no bf16 path")
     if fp8 in made:
       return _rebind(made[fp8], lambda: new(fp8, fused, implementation))
     if not fp8 and master is not None:
@@ -568,7 +575,8 @@ def run(preset=None, checkpoint=None, *, batch=RANGE_BATCH, prompt_len=RANGE_PRO
                  f"{measured['bf16_tflops']:.0f} TFLOP/s")
   t0 = time.perf_counter()
   with progress.spin("build"):
-    built = build(preset, checkpoint, fp8="bf16" not in paths, tp=tp, seed=seed)
+    built = build(preset, checkpoint, fp8="bf16" not in paths, tp=tp, seed=seed,
+                  master="bf16" in paths)
     models = {p: built.path(p) for p in paths}
   progress.say(f"built {preset or checkpoint} ({built.layers} layers) in "
                f"{time.perf_counter() - t0:.1f} s")

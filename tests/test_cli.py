@@ -207,6 +207,22 @@ def test_paths_share_one_set_of_weights():
   assert xla.opts.implementation == "xla" and fused.opts.implementation is None
 
 
+def test_fp8_only_build_holds_no_masters():
+  """master=False: FP8 weights drawn directly (the -moe presets on an 80 GB GPU); fused and
+  unfused share them; a bf16 path is refused, not silently built from other weights."""
+  built = runner.build("deepseek-v3-tiny", master=False)
+  assert built.master is None
+  fused, unfused = built.path("fused"), built.path("unfused")
+  assert all(a is b for a, b in zip(jax.tree.leaves(nnx.state(fused)),
+                                    jax.tree.leaves(nnx.state(unfused))))
+  codes = [v for v in jax.tree.leaves(nnx.state(fused)) if jnp.dtype(v.dtype).itemsize == 1]
+  assert len(codes) > 10
+  with pytest.raises(ValueError, match="no bf16 path"):
+    built.path("bf16")
+  with pytest.raises(ValueError, match="FP8 weights only"):
+    runner.build("deepseek-v3-tiny", fp8=False, master=False)
+
+
 def test_decode_call_donates_what_it_updates_and_picks_the_tokens_on_device():
   built = runner.build("qwen3.5-tiny")
   forward, params = runner.forward_fn(built.model, 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -40,6 +41,18 @@ def check_input(layer: str, x, features: int) -> None:
 def _scaled_normal(key, shape, dtype):
   """N(0, 1 / K) for a weight `[..., N, K]`."""
   return nnx.initializers.normal(1.0)(key, shape, dtype) / shape[-1]**0.5
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _init_stack(key, shape, init, fmt, param_dtype):
+  """A stack of weights drawn in f32: (fp8 codes, block scales) with `fmt`, else (weights in
+  param_dtype, None). One jit from the draw to the result, so its f32 temporaries are XLA's
+  (the draw alone is 15 GB for a DeepSeek-V3 expert stack, and each eager step of the
+  quantisation would hold another of that size)."""
+  w = init(key, shape, jnp.float32)
+  if fmt is None:
+    return w.astype(param_dtype), None
+  return jax.vmap(lambda a: quantize_weight(a, fmt))(w)
 
 
 def high_precision(x: jax.Array | QuantizedActivation) -> jax.Array:
@@ -123,12 +136,10 @@ class StackedLinear(nnx.Module):
                param_dtype=jnp.bfloat16, kernel_init=_scaled_normal,
                implementation: str | Sequence[str] | None = None, rngs: nnx.Rngs):
     check_sizes("StackedLinear", num=num, in_features=in_features, out_features=out_features)
-    w = kernel_init(rngs.params(), (num, out_features, in_features), jnp.float32)
-    if fmt is not None:
-      q, s = jax.vmap(lambda a: quantize_weight(a, fmt))(w)
-      self.weight, self.weight_scale_inv = nnx.Param(q), nnx.Param(s)
-    else:
-      self.weight, self.weight_scale_inv = nnx.Param(w.astype(param_dtype)), None
+    w, s = _init_stack(rngs.params(), (num, out_features, in_features), kernel_init, fmt,
+                       jnp.dtype(param_dtype))
+    self.weight = nnx.Param(w)
+    self.weight_scale_inv = None if s is None else nnx.Param(s)
     self.fmt, self.ue8m0, self.dtype, self.implementation = fmt, ue8m0, dtype, implementation
 
   def _grouped(self, a, ids=None):
