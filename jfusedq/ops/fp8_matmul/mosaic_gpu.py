@@ -13,15 +13,13 @@ compute warpgroups own 64 rows each of the 128 x block_n tile. Per K block, each
      scale of the weight block the wgmma group's columns lie in), one FMA per value; a group
      whose columns cross a weight block's edge (a 192-wide tile in one or two groups) takes a
      per-column scale, d * s_a[:, None] * s_w[None, :]. The memory warpgroup copies the two
-     weight-block scales a tile can touch, per K block, in one 128-byte TMA box (SW_BOX). The
-     scalar scales are for speed: a per-column scale vector everywhere (two multiplies and an
-     add per value) took 1031.8 against 890.3 us at (N, K) = (7168, 16384), M = 4096 (H200).
+     weight-block scales a tile can touch, per K block, in one 128-byte TMA box (SW_BOX).
+     Scalar scales because a per-column vector everywhere (two multiplies and an add per
+     value) was measured slower.
 Scaling per block keeps the accumulation in f32 (Hopper's fp8 MMA accumulates with reduced
 precision inside one instruction chain). The memory warpgroup keeps the copies ahead of both
-compute warpgroups (a single-warpgroup version, waiting for each wgmma with the tensor cores
-idle, ran at 0.48-0.85x XLA's bf16 dot at M = 4096). The two compute warpgroups are left to
-drift apart, so that one's rescale can overlap the other's wgmma: `Config.pingpong`, which makes
-them take turns instead, ran slower at every shape measured (1.23-1.38x the time on an H100).
+compute warpgroups, which a single warpgroup waiting on each wgmma could not. The two compute
+warpgroups are left to drift apart, so that one's rescale can overlap the other's wgmma.
 The epilogue goes registers -> shared -> TMA store, which clips the columns past N.
 
 Shapes: K a multiple of 128, N of 64; M padded to a multiple of 8 by XLA (a copy of the
@@ -29,18 +27,14 @@ activation and the output) only where it is not one.
 
 Schedules (`Config`): per-tile CTAs, or `persistent`: one CTA per SM loops over its tiles (in
 bands of `band` row tiles, M fastest within a band: `tile_order`), each a pipeline over K, the
-pipeline's buffers allocated once so the memory warpgroup runs ahead into the next tile (at
-M = 1024 1.02-1.16x faster than per tile over the five shapes with K > 2048; the store stays
-out of the step: moving it in cost 1-25% more than the refills saved).
-`chunks = 2` issues the tile's columns as two wgmma groups and rescales the first while the
-second runs; the best count depends on the schedule (a persistent 192-wide tile ran 363.7 us in
-two against 378.4 in three at (12288, 4096), M = 4096, a per-tile one fastest in three).
-`pingpong` makes the compute warpgroups take turns at issuing: the same bits as
-the unordered schedule (tested bit-exact, without a hang, on an H100) but slower at every shape
-measured (above), so no heuristic picks it; it stays an option of the benchmark's sweep.
+pipeline's buffers allocated once so the memory warpgroup runs ahead into the next tile (faster
+than per tile wherever K is not split; the store stays out of the step, where it cost more than
+the refills saved). `chunks` issues the tile's columns as that many wgmma groups and rescales
+one while the next runs (the best count depends on the schedule). `pingpong` makes the compute
+warpgroups take turns at issuing: the same bits as the unordered schedule, slower at every
+shape measured, so no heuristic picks it; it stays an option of the benchmark's sweep.
 `splits` (per-tile only) gives each tile that many CTAs, each a part of K, storing float32
-partials that XLA sums: for a grid of tiles that leaves SMs idle (17.7 against 22.4 us unsplit
-at (2112, 7168), M = 256).
+partials that XLA sums: for a grid of tiles that leaves SMs idle.
 
 The measurements behind these choices, the configs tried and not kept, and where the time goes
 against cuBLAS: benchmarks/README.md, "Mosaic GPU GEMM".
@@ -175,8 +169,7 @@ def tile_order(t, mt: int, nt: int, band: int):
   """The persistent schedule's t-th tile (row, column) of an mt x nt grid: bands of `band` row
   tiles (the last one narrower), M fastest within a band, so that the tiles at work together
   span `band` rows and about sm_count / band columns and their blocks stay in L2 (M fastest
-  over all rows re-reads the whole activation from DRAM every wave: 1.22-1.26x the time at
-  M = 16384)."""
+  over all rows re-reads the whole activation from DRAM every wave, measured slower)."""
   # lax's truncating division (the operands are never negative): jnp's floor division by a
   # traced divisor does not lower in Mosaic GPU.
   first = t // (band * nt) * band

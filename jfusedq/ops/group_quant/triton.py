@@ -6,9 +6,9 @@ block of `width >= K` columns (7168 -> 8192); masked loads and stores keep the p
 memory, and the padding's zeros leave every group's amax as it is. Rows are masked too, so no
 tiling constraint remains on T or K (unlike Pallas-Triton, which needs power-of-two chunks).
 The fused norm holds its row as a 1-D block instead (`rmsnorm_quant.triton`); `store_quant`
-takes either. For the quant alone the 1-D row, one row a program, ran 1.00-1.13x the time of
-the [rows, W] blocks at T >= 4096 on the H200 in two runs (104.1 against 93.5 us at
-16384 x 7168, 54.5 against 52.6 at 16384 x 4096), so this kernel keeps them.
+takes either. For the quant alone the 1-D row, one row a program, ran slower than the
+[rows, W] blocks at T >= 4096 (benchmarks/README.md, "RMSNorm + quant"), so this kernel keeps
+them.
 
 FP8 codes: a native cast (round to nearest even) for e4m3fn, and for e4m3fnuz on gfx942 whose
 format it is; elsewhere (NVIDIA, gfx950) the kernel writes the fnuz bits computed with integer
@@ -31,10 +31,8 @@ MAX_WIDTH = 32768  # padded f32 values per row in registers (64 per thread at 16
 TILE = 8192  # target elements per program (rows x width)
 PROGRAMS = 256  # keep about two programs per SM before packing rows together
 # Many waves of programs: one row of 4 warps a program (16 to 64 values a thread) keeps more
-# rows in flight per SM than 16 warps of 16; at 16384 x 5120 on the H200 it took 65.5 against
-# 80.2 us (0.90 against 0.74 of copy bandwidth), at 16384 x 4096 50.6 against 51.8, and was
-# the fastest or within 1% of it of the nine tilings tried at T = 4096 and 16384 for
-# H = 1536, 2048, 4096, 5120 and 7168.
+# rows in flight per SM than 16 warps of 16 (0.90 against 0.74 of copy bandwidth at
+# 16384 x 5120), the fastest or within 1% of it of the nine tilings tried from T = 4096.
 BANDWIDTH_ROWS = 4096
 
 

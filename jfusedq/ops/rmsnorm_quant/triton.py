@@ -8,11 +8,10 @@ out) + fp8 codes + scales (+ bf16 copy) (+ x2 in and out). Absent inputs are bou
 read) and absent outputs to one-element buffers (never written): a Triton signature is fixed,
 and optional pointers would need a kernel each.
 
-Why a 1-D row: through XLA's Triton, the same kernel over a [1, W] block ran 1.06-1.14x the
-time of the 1-D one on the H200 (129.7 against 122.0 us at 16384 x 4096, 66.0 against 59.6 at
-4096 x 7168, 2.51 against 2.15 at 1 x 7168), where Triton 3.6's own build of the two ran within
-1-4% of each other. The streaming inputs are read with `.cg` (cached in L2 only): 117.2
-against 122.0 us at 16384 x 4096, 57.7 against 59.6 at 4096 x 7168.
+Why a 1-D row: XLA's Triton, which keeps the kernel in the CUDA graph, built the same kernel
+over a [1, W] block slower, where Triton 3.6's own builds of the two ran level. The streaming
+inputs are read with `.cg` (cached in L2 only), measured faster. The figures behind each choice
+here: benchmarks/README.md, "RMSNorm + quant".
 """
 
 from __future__ import annotations
@@ -38,11 +37,10 @@ def heuristics(rows: int, width: int, warp_size: int = 32, per_thread: int = VEC
 
   8 (one 16-byte vector for every access) where the row is also stored in bf16 (the residual,
   `hp`): with 16, Triton holds the row 16 to a thread for the loads and the fp8 store but 8
-  for the bf16 stores, and converts between the two through shared memory; on the H200 16
-  warps for 8192 values took 2.40 against 2.15 us at 1 x 7168 (59.9 against 59.6 at
-  4096 x 7168). Otherwise 16 (two 16-byte loads, one 16-byte fp8 store): the MLA pair took
-  40.6 against 48.0 us at 16384 x (1536 + 512) at 4 warps against 8. One row a program at
-  16384 x 1536 (8 warps) took 47.8 against 49.7 us for four rows of 16 warps."""
+  for the bf16 stores, and converts between the two through shared memory. Otherwise 16 (two
+  16-byte loads, one 16-byte fp8 store), where fewer warps ran faster on the MLA pair. One row
+  a program: four rows a program ran slower.
+  """
   del rows
   threads = min(max(width // per_thread, warp_size), MAX_THREADS)
   return Config(1, _common.pow2_floor(threads // warp_size))
@@ -50,10 +48,8 @@ def heuristics(rows: int, width: int, warp_size: int = 32, per_thread: int = VEC
 
 MAX_PIECES = 3
 # Rows split into pieces from this many, where one block would be this much padding or more:
-# at 16384 x 5120 (37.5% padding) the pieces took 155.0 against 184.1 us on the H200, and at
-# 16384 x 1536 (25%) 47.3 against 48.1; at 7168 (12.5%) they ran no faster at 16384 rows and
-# slower at one (3.02 against 2.23 us: three reductions, narrower loads), so a decode row stays
-# one block.
+# the pieces ran faster at 37.5% and 25% padding over 16384 rows, no faster at 12.5% (7168), and
+# slower at one row (three reductions, narrower loads), so a decode row stays one block.
 SPLIT_MIN_ROWS, SPLIT_MIN_PADDING = 4096, 0.25
 
 
@@ -148,8 +144,7 @@ def rmsnorm_quant_kernel(x_ptr, res_ptr, w_ptr, x2_ptr, w2_ptr, rows, q_ptr, s_p
     c2 = P0 + P1 + tl.arange(0, P2)
   # A row whose mean square is not finite (h * h overflowing f32, or a NaN or inf in the row)
   # has its sum taken again of h * RESCALE (`reference.safe_rsqrt`), a branch uniform over the
-  # program: with a second reduction of every row the kernel took 70.4 against 63.9 us at
-  # 4096 x 7168 on the H200.
+  # program: a second reduction of every row was measured 10% slower.
   for i in tl.static_range(BLOCK_ROWS):
     row = tl.program_id(0) * BLOCK_ROWS + i
     ok_row = row < rows
