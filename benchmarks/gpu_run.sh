@@ -5,7 +5,7 @@
 # Left out, as proved on CPU: lowering tests (abstract devices), tests/parallel and test_hlo
 # (meshes of simulated CPU devices), tests/models (they read the HF reference under build/,
 # too big to carry). TESTS=0 skips the tests; TEST_TIMEOUT and BENCH_TIMEOUT (each benchmark)
-# bound the parts.
+# bound the parts; BENCH_MEM_FRACTION (default 0.92) is the benchmarks' share of the GPU.
 # The model benchmarks (decode, prefill) need flax: `make gpu-wheels` here, and carry .whl.
 # Usage on the device: bash benchmarks/gpu_run.sh <commit-sha> [name[:flags] ...]
 # Write the sha out as this checkout's (`git rev-parse --short HEAD` here): the device machine's
@@ -32,6 +32,10 @@ if [ "${TESTS:-1}" != 0 ]; then
     tests/ops tests/nn tests/test_fp8.py tests/test_triton.py \
     2>&1 | tee "$out/tests.log" | grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" | tail -30
 fi
+# The benchmarks run one process each: JAX's default pool, 75% of the GPU (104 GiB of an
+# H200), leaves 3 GiB beside deepseek-v3-moe's 109 GB (101.5 GiB) of bf16 and FP8 weights;
+# 92% still leaves cuBLAS, cuDNN and the Triton launches their workspace outside it.
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${BENCH_MEM_FRACTION:-0.92}
 for spec in "$@"; do
   name=${spec%%:*}
   flags=""
