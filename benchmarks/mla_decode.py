@@ -20,7 +20,6 @@ Run: python benchmarks/mla_decode.py [--contexts 256 4096 32768] [--batches 1 16
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -31,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _harness  # noqa: E402
-from jfusedq import _target, default_format, group_quant, mla_decode  # noqa: E402
+from jfusedq import default_format, group_quant, mla_decode  # noqa: E402
 from jfusedq.ops.mla_decode import triton as mla_triton  # noqa: E402
 from jfusedq.testing import rel_rms  # noqa: E402
 from models import run as runner  # noqa: E402
@@ -71,11 +70,10 @@ def configs(b, nh, s, sweep):
   h = mla_triton.heuristics(b, nh, s)
   out = [("heuristic", h)]
   if sweep:
-    sms = _target.sm_count()
     for bh, bs, w, flat in SWEEP:
       if bh > max(16, nh):
         continue
-      base = max(1, min(-(-2 * sms // (b * -(-nh // bh))), -(-s // 128)))
+      base = mla_triton.splits(b, nh, s, bh)
       for sp in dict.fromkeys((max(1, base // 2), base, min(2 * base, -(-s // bs)))):
         cfg = mla_triton.Config(block_h=bh, block_s=bs, num_warps=w, splits=sp, flat=flat)
         if cfg != h:

@@ -217,27 +217,27 @@ def build(preset: str | None = None, checkpoint: str | None = None, *, fp8: bool
     mesh = tp_mesh(tp) if tp > 1 else None
     new = lambda fp8, fused, impl: registry.from_pretrained(
         checkpoint, fp8=fp8, fused=fused, implementation=impl, mesh=mesh, **kw)
-    master = None
+    masters = None
   else:
     new = lambda fp8, fused, impl: registry.build(PRESETS[preset], seed=seed, fp8=fp8,
                                                   fused=fused, implementation=impl, **kw)
-    master = new(False, False, implementation) if master else None
+    masters = new(False, False, implementation) if master else None
   made: dict[bool, nnx.Module] = {}  # fp8 -> the first model built with those weights
 
   def make(fused: bool, fp8: bool = fp8, implementation=implementation) -> nnx.Module:
-    if not fp8 and master is None and not checkpoint:
+    if not fp8 and masters is None and not checkpoint:
       raise ValueError("this build holds no bf16 masters (master=False): no bf16 path")
     if fp8 in made:
       return _rebind(made[fp8], lambda: new(fp8, fused, implementation))
-    if not fp8 and master is not None:
-      made[fp8] = master
-    elif fp8 and master is not None:
-      made[fp8] = quantize(master, nnx.eval_shape(lambda: new(True, fused, implementation)))
+    if not fp8 and masters is not None:
+      made[fp8] = masters
+    elif fp8 and masters is not None:
+      made[fp8] = quantize(masters, nnx.eval_shape(lambda: new(True, fused, implementation)))
     else:
       made[fp8] = new(fp8, fused, implementation)
     return made[fp8]
 
-  return Built(make(fused), make, master)
+  return Built(make(fused), make, masters)
 
 
 def tp_mesh(tp: int) -> jax.sharding.Mesh:

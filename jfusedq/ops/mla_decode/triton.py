@@ -59,10 +59,15 @@ def heuristics(tokens: int, heads: int, slots: int, device_kind: str | None = No
   programs an SM, at least 128 slots a split: the fastest of the sweep on an H100 at 128
   heads, 256 and 32768 slots (benchmarks/README.md), where 16 heads a program in half the
   splits took 1.35x as long at 32768 slots, and 8 warps 1.7-3x."""
-  sms = _target.sm_count(device_kind)
-  programs = tokens * -(-heads // 32)
-  splits = max(1, min(-(-2 * sms // programs), -(-slots // 128)))
-  return Config(block_h=32, splits=splits)
+  return Config(block_h=32, splits=splits(tokens, heads, slots, 32, device_kind))
+
+
+def splits(tokens: int, heads: int, slots: int, block_h: int,
+           device_kind: str | None = None) -> int:
+  """The slot splits that give about two programs an SM at `block_h` heads a program, at
+  least 128 slots a split."""
+  programs = tokens * -(-heads // block_h)
+  return max(1, min(-(-2 * _target.sm_count(device_kind) // programs), -(-slots // 128)))
 
 
 @_triton.jit
