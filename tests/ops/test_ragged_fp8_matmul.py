@@ -1,19 +1,22 @@
 """ragged_fp8_matmul / ragged_matmul / ragged_swiglu: every implementation against the f32
 reference over routings (uniform, skewed, empty experts, everything on one expert, rows past
 the groups), gathered rows, odd shapes, both formats and scale layouts; the fused SwiGLU
-against its unfused steps; the tile map; errors; the XLA path's cost against the expert
-count."""
+against its unfused steps; the Mosaic GPU kernel against the dense one; the tile maps; errors;
+the XLA path's cost against the expert count."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import FORMATS, TRITON, activations, experts, rng
+from helpers import FORMATS, MOSAIC_GPU, TRITON, activations, experts, rng
 from helpers import assert_gemm_close as assert_close
 from jfusedq import (default_format, fp8_matmul, group_quant, ragged_fp8_matmul, ragged_matmul,
                      ragged_swiglu)
 from jfusedq.errors import DTypeError, InputError
+from jfusedq.ops.fp8_matmul.mosaic_gpu import Config as MosaicConfig
 from jfusedq.ops.fp8_matmul.pallas import Config
 from jfusedq.ops.ragged_fp8_matmul import reference, tiles, xla
 from jfusedq.testing import rel_rms
@@ -270,6 +273,73 @@ def test_tile_map_covers_every_row_once():
     assert np.all(owner[:bounds[-1]] == np.repeat(np.arange(e), sizes))
     assert np.all(owner[bounds[-1]:] == e)  # the zero pseudo-group
     assert int(count) == sum(-(-s // bm) for s in sizes)
+
+
+def test_block_map_covers_every_row_once():
+  for seed in range(20):
+    r = rng("blocks", seed)
+    e, m, bm = int(r.integers(1, 9)), int(r.integers(1, 300)), int(2 ** r.integers(0, 7))
+    sizes = np.bincount(r.integers(0, e, int(r.integers(0, m + 1))), minlength=e)
+    block, expert, lo, hi = np.asarray(tiles.block_map(jnp.asarray(sizes), m, bm))
+    assert len(block) == tiles.max_blocks(m, e, bm)
+    owner = np.full(m, -1)
+    bounds = np.concatenate([[0], np.cumsum(sizes), [m]])
+    for b, x, l, h in zip(block, expert, lo, hi):
+      if l == h:
+        continue
+      assert b * bm <= l < h <= (b + 1) * bm  # inside the tile's block
+      assert bounds[x] <= l and h <= bounds[x + 1]  # and its expert's run
+      assert np.all(owner[l:h] == -1)
+      owner[l:h] = x
+    assert np.all(owner == np.concatenate([np.repeat(np.arange(e), sizes),
+                                           np.full(m - bounds[-2], e)]))
+
+
+# The interpreter runs the kernel's schedule as the GPU does; four SMs make every persistent
+# CTA walk a ragged count of tiles. Shapes the kernel builds (K % 128, N % block_n): T = 1;
+# blocks shared by several experts with empty ones between; all rows on one expert; rows past
+# the groups (zeros: expert E's weight rows lie past the array); 192-wide tiles in two chunks.
+@pytest.mark.parametrize("route,m,e,n,k,config", [
+    ("uniform", 1, 5, 128, 256, None),
+    ("skewed", 200, 3, 192, 384, None),
+    ("one_expert", 130, 4, 256, 256, MosaicConfig(128, stages=2)),
+    ("tail", 300, 6, 320, 256, MosaicConfig(64, stages=2, persistent=True)),
+    ("uniform", 300, 5, 384, 384, MosaicConfig(192, stages=2, persistent=True, chunks=2)),
+], ids=str)
+@pytest.mark.parametrize("impl", [MOSAIC_GPU])
+def test_mosaic_gpu(monkeypatch, impl, route, m, e, n, k, config):
+  monkeypatch.setattr("jfusedq._target.sm_count", lambda device_kind=None: 4)
+  qw, sw = experts(("mw", m, e, n, k), e, n, k)
+  x = activations(rng("mx", m, k), (m, k))
+  sizes = routing(("mr", route, m), route, m, e)
+  qa = group_quant(x, fmt="e4m3fn", implementation="xla")
+  got = ragged_fp8_matmul(qa, qw, sw, sizes, config=config, implementation=impl)
+  assert_close(got, reference.ragged_fp8_matmul(qa, qw, sw, sizes))
+  if route == "tail":
+    assert not np.any(np.asarray(got)[int(sizes.sum()):])
+
+
+@pytest.mark.parametrize("impl", [MOSAIC_GPU])
+def test_mosaic_gpu_equals_dense_per_expert(impl):
+  """Each expert's rows to the bit as the dense kernel's product on them alone: the same
+  tiles, K order and rescales, whichever block a row sits in; gathered rows, col scales."""
+  t, topk, e, n, k = 70, 3, 4, 256, 384
+  qw, sw = experts(("md",), e, n, k)
+  qa = group_quant(activations(rng("mdx"), (t, k)), fmt="e4m3fn", layout="col",
+                   implementation="xla")
+  rows, sizes = pairs("mdi", t, topk, e)
+  cfg = MosaicConfig(128, stages=2, persistent=True)
+  f = jax.jit(lambda qa: ragged_fp8_matmul(qa, qw, sw, sizes, rows=rows, config=cfg,
+                                           implementation=impl))
+  got = np.asarray(f(qa))
+  np.testing.assert_array_equal(np.asarray(f(qa)), got)
+  bounds = np.concatenate([[0], np.cumsum(sizes)])
+  for x in range(e):
+    r = np.asarray(rows)[bounds[x]:bounds[x + 1]]
+    one = type(qa)(qa.q[r], qa.scale[:, r], layout="col")
+    want = fp8_matmul(one, qw[x], sw[x], config=dataclasses.replace(cfg, persistent=False),
+                      implementation=impl)
+    np.testing.assert_array_equal(got[bounds[x]:bounds[x + 1]], np.asarray(want))
 
 
 def test_xla_cost_grows_with_rows_not_experts():

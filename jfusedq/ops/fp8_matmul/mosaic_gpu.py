@@ -193,12 +193,25 @@ def check(qa: jax.Array, n: int, k: int) -> None:
 
 
 def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: jax.Array,
-               config: Config | None, out_dtype) -> jax.Array:
-  """qa [M, K] fp8, sa [M, KB] ("row") or [KB, M] ("col"), qw [N, K], sw [NB, KB] -> [M, N]."""
+               config: Config | None, out_dtype, *, row_tiles: jax.Array | None = None
+               ) -> jax.Array:
+  """qa [M, K] fp8, sa [M, KB] ("row") or [KB, M] ("col"), qw [N, K], sw [NB, KB] -> [M, N].
+
+  Ragged (MoE experts over rows sorted by expert), with `row_tiles` (int32 [4, tiles]: block,
+  expert, lo, hi; `ragged_fp8_matmul.tiles.block_map` of BLOCK_M): qw [E, N, K] and sw
+  [E, NB, KB], N a multiple of block_n and one part of K. Tile i computes the 128-row block
+  block[i] against expert[i]'s weight and stores rows lo[i] .. hi[i] - 1 only, in boxes of
+  64, 32, .., 1 rows (a TMA box's size is static); a tile storing nothing skips its K loop.
+  Expert E, the rows past the groups, reads weight rows past the array, which TMA fills with
+  zeros: those rows are zeros."""
   m, k = qa.shape
-  n = qw.shape[0]
+  n = qw.shape[-2]
   check(qa, n, k)
   cfg = config or heuristics(m, n, k, out_dtype)
+  ragged = row_tiles is not None
+  if ragged and (n % cfg.block_n or cfg.splits > 1):
+    raise InputError(f"{cfg}: a ragged product needs block_n dividing N = {n} (a tile reads "
+                     f"one expert) and splits=1")
   if smem_bytes(cfg, out_dtype) > _target.HOPPER_SMEM_BYTES:
     raise InputError(f"{cfg} with a {jnp.dtype(out_dtype).name} output needs "
                       f"{smem_bytes(cfg, out_dtype)} bytes of shared memory, over Hopper's "
@@ -213,7 +226,12 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   # is padded only to the 8-row tiling of the activation's shared-memory layout, which TMA
   # needs the array's rows to divide: no copy of the activation or the output where M % 8 == 0.
   mp = -(-m // ROW_TILE) * ROW_TILE
-  mt, nt = -(-m // BLOCK_M), -(-n // bn)
+  nt = -(-n // bn)
+  # Row tiles: M's blocks, or the ragged product's tiles (several may share a block).
+  mt = row_tiles.shape[1] if ragged else -(-m // BLOCK_M)
+  nb = sw.shape[-2]
+  # The experts' weights one above the other: expert e's tile ni is weight tile e * nt + ni.
+  qw, sw = qw.reshape(-1, k), sw.reshape(-1, sw.shape[-1])
   sa_col = sa if a_layout == "col" else sa.T
   if mp != m:
     qa = jnp.pad(qa, ((0, mp - m), (0, 0)))
@@ -221,17 +239,19 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   if kb % 4:
     sw = jnp.pad(sw, ((0, 0), (0, 4 - kb % 4)))
 
-  def pipeline(step, context, mi, ni, b0=0):  # b0: the CTA's first K block
+  def pipeline(step, context, mi, ni, b0=0, expert=0):  # b0: the CTA's first K block
     return plgpu.emit_pipeline_warp_specialized(
         step, grid=(kp,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
         max_concurrent_steps=cfg.stages, compute_context=context,
         in_specs=[plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda b: (mi, b0 + b),
                                   transforms=_TRANSFORMS),
-                  plgpu.BlockSpec((bn, BLOCK_K), lambda b: (ni, b0 + b), transforms=_TRANSFORMS),
+                  plgpu.BlockSpec((bn, BLOCK_K), lambda b: (expert * nt + ni, b0 + b),
+                                  transforms=_TRANSFORMS),
                   plgpu.BlockSpec((1, BLOCK_M), lambda b: (b0 + b, mi)),
                   # Element offset: the tile's first weight block, whatever the tile's width.
                   plgpu.BlockSpec((pl.Element(2), SW_BOX),
-                                  lambda b: (ni * bn // BLOCK, (b0 + b) // SW_BOX))])
+                                  lambda b: (expert * nb + ni * bn // BLOCK,
+                                             (b0 + b) // SW_BOX))])
 
   def handoff(turn, skip):
     """Meet the other compute warpgroup at `turn` (Config.pingpong; None: no ordering), unless
@@ -242,8 +262,12 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
         plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(turn)
 
-  def tile(mi, ni, refs, o_smem, turn, allocations=None, ks=0):
-    a_gmem, sa_gmem, w_gmem, sw_gmem, o_gmem = refs
+  def tile(ti, ni, refs, o_smem, turn, allocations=None, ks=0):
+    a_gmem, sa_gmem, w_gmem, sw_gmem, *tiles_gmem, o_gmem = refs
+    if ragged:
+      mi, expert, lo, hi = (tiles_gmem[0][j, ti] for j in range(4))
+    else:
+      mi, expert = ti, 0
     b0 = ks * kp
     wg = lax.axis_index("wg")
     rows = pl.ds(wg * WG_M, WG_M)
@@ -310,13 +334,28 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
         o_smem[wg, :, pl.ds(c * cw, cw)] = part.astype(staged)
       plgpu.commit_smem()
       dst = o_gmem.at[ks] if cfg.splits > 1 else o_gmem
-      plgpu.copy_smem_to_gmem(
-          o_smem.at[wg], dst.at[pl.ds(mi * BLOCK_M + wg * WG_M, WG_M), pl.ds(ni * bn, bn)])
+      row0, cols = mi * BLOCK_M + wg * WG_M, pl.ds(ni * bn, bn)
+      if not ragged:
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], dst.at[pl.ds(row0, WG_M), cols])
+      else:  # the tile's rows of this warpgroup's 64, as boxes of 64, 32, .., 1 rows
+        first = lax.max(lax.min(lo - row0, WG_M), 0)
+        count = lax.max(lax.min(hi - row0, WG_M), 0) - first
+        size = WG_M
+        while size:
+          @pl.when(count & size != 0)
+          def _(at=first, size=size):
+            plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(at, size)],
+                                    dst.at[pl.ds(row0 + at, size), cols])
+          first, size = first + (count & size), size // 2
       if not cfg.persistent:
         plgpu.wait_smem_to_gmem(0)
 
-    pipeline(step, context, mi, ni, b0)(a_gmem, w_gmem, sa_gmem, sw_gmem,
-                                        allocations=allocations)
+    run = lambda: pipeline(step, context, mi, ni, b0, expert)(
+        a_gmem, w_gmem, sa_gmem, sw_gmem, allocations=allocations)
+    if ragged:
+      pl.when(lo < hi)(run)
+    else:
+      run()
 
   def kernel(*refs):
     # Allocated by all three warpgroups together (a collective scope), used by the compute two.
@@ -330,7 +369,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
     else:
       # The pipeline's buffers outlive the tiles: the memory warpgroup starts copying the next
       # tile's blocks while the compute warpgroups store the last one.
-      a_gmem, sa_gmem, w_gmem, sw_gmem, _ = refs
+      a_gmem, sa_gmem, w_gmem, sw_gmem, *_ = refs
       allocs = pipeline(None, None, 0, 0).get_allocations(a_gmem, w_gmem, sa_gmem, sw_gmem)
 
       def scope(allocations, o_smem, turn):
@@ -353,7 +392,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
       kernel, out_type=jax.ShapeDtypeStruct(out_shape, staged), grid=grid, grid_names=names,
       num_threads=3, thread_name="wg",
       interpret=plgpu.InterpretGPUParams() if _target.interpret() else False,
-  )(qa, sa_col, qw, sw)
+  )(qa, sa_col, qw, sw, *([row_tiles] if ragged else []))
   if cfg.splits > 1:
     out = out.sum(0).astype(out_dtype)
   return out[:m] if mp != m else out

@@ -14,13 +14,15 @@ from jfusedq.ops import _dispatch
 from jfusedq.ops._dispatch import declare, dispatch
 from jfusedq.ops.fp8_matmul import api as fp8_api
 from jfusedq.ops.fp8_matmul.pallas import Config
-from jfusedq.ops.ragged_fp8_matmul import triton, xla
+from jfusedq.ops.ragged_fp8_matmul import mosaic_gpu, triton, xla
 from jfusedq.ops.ragged_fp8_matmul.reference import ACTIVATIONS
 
-IMPLEMENTATIONS = ("triton", "xla")
+# The GPU order, best first. Mosaic GPU (Hopper) after Triton until measured ahead of it: it
+# runs where `triton` is not installed.
+IMPLEMENTATIONS = ("triton", "mosaic_gpu", "xla")
 declare("ragged_fp8_matmul", IMPLEMENTATIONS)
-declare("ragged_matmul", IMPLEMENTATIONS)
-declare("ragged_swiglu", IMPLEMENTATIONS)
+declare("ragged_matmul", ("triton", "xla"))
+declare("ragged_swiglu", ("triton", "xla"))
 
 
 def ragged_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
@@ -46,9 +48,10 @@ def ragged_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
       (under `jfusedq.debug_checks()` it is, at run time), negative sizes count as 0.
     rows: `[M]` integer source row in `a` of each sorted row (the tokens of the (token, expert)
       pairs, gathered in the kernel's loads), or None: `a`'s own rows, M = T.
-    implementation: "triton", "xla", a sequence tried in order, or None (Triton then XLA on a
-      GPU, XLA elsewhere).
-    config: the Triton tiling (`pallas.Config`; default `triton.heuristics`).
+    implementation: "triton", "mosaic_gpu" (Hopper; `rows` gathered by XLA first), "xla", a
+      sequence tried in order, or None (IMPLEMENTATIONS' order on a GPU, XLA elsewhere).
+    config: the tiling: `pallas.Config` (Triton; default `triton.heuristics`) or
+      `mosaic_gpu.Config` (default `mosaic_gpu.heuristics`).
   Returns:
     `[M, N]` in out_dtype.
   """
@@ -59,18 +62,21 @@ def ragged_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
   m = _check_rows(qa.q, rows)
   _check_groups(weight, group_sizes, m)
 
-  def kernel():
-    if m == 0:
-      return jnp.zeros((0, n), out_dtype)
-    fp8_api._check_kernel(weight, config, triton)
-    cfg = config or triton.heuristics(m, n, k, e)
-    return triton.ragged_matmul(qa.q, qa.scale, qa.layout, weight, weight_scale, group_sizes,
-                                rows, cfg, out_dtype)
+  def kernel(kernels, heuristics):
+    def run():
+      if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+      fp8_api._check_kernel(weight, config, kernels)
+      return kernels.ragged_matmul(qa.q, qa.scale, qa.layout, weight, weight_scale,
+                                   group_sizes, rows, config or heuristics(), out_dtype)
+    return run
 
-  backends = {"triton": kernel,
+  backends = {"triton": kernel(triton, lambda: triton.heuristics(m, n, k, e)),
+              "mosaic_gpu": kernel(mosaic_gpu,
+                                   lambda: mosaic_gpu.heuristics(m, n, k, e, out_dtype)),
               "xla": lambda: xla.ragged_fp8_matmul(qa, weight, weight_scale, group_sizes, rows,
                                                    out_dtype)}
-  return dispatch("ragged_fp8_matmul", backends, implementation)
+  return dispatch("ragged_fp8_matmul", backends, implementation, gpu_order=IMPLEMENTATIONS)
 
 
 def ragged_matmul(a: jax.Array, weight: jax.Array, group_sizes: jax.Array, *,
@@ -94,7 +100,7 @@ def ragged_matmul(a: jax.Array, weight: jax.Array, group_sizes: jax.Array, *,
 
   backends = {"triton": kernel,
               "xla": lambda: xla.ragged_matmul(a, weight, group_sizes, rows, out_dtype)}
-  return dispatch("ragged_matmul", backends, implementation)
+  return dispatch("ragged_matmul", backends, implementation, gpu_order=("triton", "xla"))
 
 
 def ragged_swiglu(a: jax.Array | QuantizedActivation, gate: jax.Array,
@@ -185,7 +191,7 @@ def ragged_swiglu(a: jax.Array | QuantizedActivation, gate: jax.Array,
   backends = {"triton": kernel,
               "xla": lambda: xla.ragged_swiglu(a, gate, gate_scale, up, up_scale, group_sizes,
                                                rows, act, dtype, fmt, ue8m0)}
-  return dispatch("ragged_swiglu", backends, implementation)
+  return dispatch("ragged_swiglu", backends, implementation, gpu_order=("triton", "xla"))
 
 
 def _check_high_precision(a, weight, name: str = "weight") -> tuple[int, int, int]:
