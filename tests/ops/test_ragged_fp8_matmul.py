@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import FORMATS, MOSAIC_GPU, TRITON, activations, experts, rng
+from helpers import FORMATS, MOSAIC_GPU, TARGETS, TRITON, activations, experts, lower, rng
 from helpers import assert_gemm_close as assert_close
-from jfusedq import (default_format, fp8_matmul, group_quant, ragged_fp8_matmul, ragged_matmul,
-                     ragged_swiglu)
+from jfusedq import (QuantizedActivation, default_format, fp8_matmul, group_quant,
+                     ragged_fp8_matmul, ragged_matmul, ragged_swiglu)
 from jfusedq.errors import DTypeError, InputError
+from jfusedq.ops._dispatch import Unsupported
 from jfusedq.ops.fp8_matmul.mosaic_gpu import Config as MosaicConfig
 from jfusedq.ops.fp8_matmul.pallas import Config
 from jfusedq.ops.ragged_fp8_matmul import reference, tiles, xla
@@ -340,6 +341,32 @@ def test_mosaic_gpu_equals_dense_per_expert(impl):
     want = fp8_matmul(one, qw[x], sw[x], config=dataclasses.replace(cfg, persistent=False),
                       implementation=impl)
     np.testing.assert_array_equal(got[bounds[x]:bounds[x + 1]], np.asarray(want))
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("config", [None, MosaicConfig(128, stages=2),
+                                    MosaicConfig(256, stages=3, persistent=True, chunks=2),
+                                    MosaicConfig(192, chunks=2)], ids=str)
+def test_mosaic_gpu_lowers(target, config):
+  """Its tiles' loads, the scalar reads of the tile table and the power-of-two stores lower to
+  Mosaic GPU for Hopper (DeepSeek-V3's gate at 256 experts, 64 tokens routed top 8); other
+  targets decline it."""
+  S = jax.ShapeDtypeStruct
+  fp8 = jnp.float8_e4m3fn
+  fn = lambda q, s, w, sw, g, r: ragged_fp8_matmul(
+      QuantizedActivation(q, s, layout="col"), w, sw, g, rows=r, config=config,
+      implementation="mosaic_gpu")
+  args = (S((64, 7168), fp8), S((56, 64), jnp.float32), S((256, 2048, 7168), fp8),
+          S((256, 16, 56), jnp.float32), S((256,), jnp.int32), S((512,), jnp.int32))
+  if target != "h200":
+    with pytest.raises(Unsupported):
+      lower(target, fn, *args)
+  elif config is not None and 2048 % config.block_n:
+    with pytest.raises(InputError, match="block_n dividing N"):  # a tile would span 2 experts
+      lower(target, fn, *args)
+  else:
+    assert "mosaic_gpu" in lower(target, fn, *args)
 
 
 def test_xla_cost_grows_with_rows_not_experts():
