@@ -11,13 +11,13 @@ quantised, their scales in the layout the norm hands over for their row count.
 Implementations:
   default   `ragged_fp8_matmul` / `ragged_swiglu` as a user calls it (Triton on a GPU)
   triton    the same, named
-  mosaic_gpu  the Mosaic GPU kernel (Hopper; `up` gathers its rows in XLA first)
+  mosaic_gpu  the Mosaic GPU kernel (Hopper; `up` gathers its rows in XLA first; `gate_up`
+            is its two products, the activation and `group_quant` in XLA)
   xla       the XLA loop over filled row tiles (timed up to --xla-max tokens; the reference
             every row is checked against at every size)
   gathered  `grouped_fp8_matmul` with a product per pair (the decode path, up to 64 tokens)
   unfused   `gate_up` as separate steps: two Triton ragged products, the activation and
             `group_quant` in XLA
-  mosaic_unfused  the same with the Mosaic GPU products
   --tiles BM,BN,WARPS,STAGES ...: the Triton kernel at each of these tilings besides (impl
             "triton BMxBN/WARPS/STAGES", no K split; gate_up takes BN = 128 only), to set
             `triton.heuristics`
@@ -151,20 +151,17 @@ def product(config):
       qa, qw, sw, sizes, rows=rows, config=config, implementation="triton")
 
 
-def unfused(impl):
-  """`gate_up` as the steps it fuses: two ragged products on `impl`, the activation,
-  `group_quant`."""
-  def run(qa, qw, sw, sizes, rows, idx):
-    g, u = (ragged_fp8_matmul(qa, w, s, sizes, rows=rows, implementation=impl)
-            for w, s in zip(qw, sw))
-    h = group_quant(swiglu(g, u, "silu_mul", jnp.bfloat16), fmt=default_format(),
-                    layout="row")
-    return h.q, h.scale
-  return run
+def unfused(qa, qw, sw, sizes, rows, idx):
+  """`gate_up` as the steps it fuses: two ragged products, the activation, `group_quant`."""
+  g, u = (ragged_fp8_matmul(qa, w, s, sizes, rows=rows, implementation="triton")
+          for w, s in zip(qw, sw))
+  h = group_quant(swiglu(g, u, "silu_mul", jnp.bfloat16), fmt=default_format(),
+                  layout="row")
+  return h.q, h.scale
 
 
-SWIGLU_IMPLS = {"default": hidden(None), "triton": hidden("triton"), "xla": hidden("xla"),
-                "unfused": unfused("triton"), "mosaic_unfused": unfused("mosaic_gpu")}
+SWIGLU_IMPLS = {"default": hidden(None), "triton": hidden("triton"),
+                "mosaic_gpu": hidden("mosaic_gpu"), "xla": hidden("xla"), "unfused": unfused}
 
 
 def tiled(proj: str, tiles: list[str]) -> dict:
@@ -197,7 +194,7 @@ def main():
                   choices=["uniform", "skewed"])
   ap.add_argument("--projs", nargs="+", default=["up", "down", "gate_up"],
                   choices=["up", "down", "gate_up"])
-  ap.add_argument("--impls", nargs="+", default=list(IMPLS) + ["unfused", "mosaic_unfused"],
+  ap.add_argument("--impls", nargs="+", default=list(IMPLS) + ["unfused"],
                   choices=sorted(set(IMPLS) | set(SWIGLU_IMPLS)))
   ap.add_argument("--tiles", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES",
                   help="Triton tilings timed besides the heuristic's")

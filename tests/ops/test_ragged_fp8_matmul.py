@@ -343,6 +343,26 @@ def test_mosaic_gpu_equals_dense_per_expert(impl):
     np.testing.assert_array_equal(got[bounds[x]:bounds[x + 1]], np.asarray(want))
 
 
+@pytest.mark.parametrize("act,layout,ue8m0", [("silu_mul", "col", False),
+                                               ("silu_round_mul", "row", True)])
+@pytest.mark.parametrize("impl", [MOSAIC_GPU])
+def test_mosaic_gpu_swiglu(impl, act, layout, ue8m0):
+  """The composed backend (two Mosaic GPU products, the activation and quantisation in XLA)
+  against the reference, gathered rows, two of them past the groups."""
+  t, topk, e, n, k = 45, 3, 5, 256, 384
+  (wg, sg), (wu, su) = (experts(("ms", p), e, n, k) for p in "gu")
+  rows, sizes = pairs("msi", t, topk, e)
+  sizes = sizes.at[2].add(-2)
+  qa = group_quant(activations(rng("msx"), (t, k)), fmt="e4m3fn", layout=layout, ue8m0=ue8m0,
+                   implementation="xla")
+  got = ragged_swiglu(qa, wg, sg, wu, su, sizes, rows=rows, act=act, ue8m0=ue8m0,
+                      config=MosaicConfig(128, stages=2, persistent=True), implementation=impl)
+  want = reference.ragged_swiglu(qa, wg, sg, wu, su, sizes, rows, act, jnp.bfloat16,
+                                 FORMATS["e4m3fn"], ue8m0)
+  assert_hidden_close(got, want)
+  assert not np.any(np.asarray(got.q, np.float32)[int(sizes.sum()):])
+
+
 @pytest.mark.lowering
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("config", [None, MosaicConfig(128, stages=2),

@@ -11,7 +11,7 @@ from jfusedq.errors import DTypeError, InputError, check_range
 from jfusedq.fp8 import BLOCK, QuantizedActivation
 from jfusedq.ops import _common
 from jfusedq.ops import _dispatch
-from jfusedq.ops._dispatch import declare, dispatch
+from jfusedq.ops._dispatch import Unsupported, declare, dispatch
 from jfusedq.ops.fp8_matmul import api as fp8_api
 from jfusedq.ops.fp8_matmul.pallas import Config
 from jfusedq.ops.ragged_fp8_matmul import mosaic_gpu, triton, xla
@@ -22,7 +22,7 @@ from jfusedq.ops.ragged_fp8_matmul.reference import ACTIVATIONS
 IMPLEMENTATIONS = ("triton", "mosaic_gpu", "xla")
 declare("ragged_fp8_matmul", IMPLEMENTATIONS)
 declare("ragged_matmul", ("triton", "xla"))
-declare("ragged_swiglu", ("triton", "xla"))
+declare("ragged_swiglu", IMPLEMENTATIONS)
 
 
 def ragged_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
@@ -132,11 +132,13 @@ def ragged_swiglu(a: jax.Array | QuantizedActivation, gate: jax.Array,
     group_sizes, rows: as `ragged_fp8_matmul`.
     act: "silu_mul" or "silu_round_mul". dtype: the products' and the hidden's rounding.
     ue8m0: power-of-two scales for both quantisations (of `a` if bf16, and of the hidden).
-    implementation: "triton", "xla", a sequence tried in order, or None (Triton then XLA on a
-      GPU, XLA elsewhere).
-    config: the Triton tiling (`pallas.Config` with no K split, and block_n 128 for FP8
-      weights: the epilogue quantises whole 128-column groups; default
-      `triton.swiglu_config`).
+    implementation: "triton", "mosaic_gpu" (Hopper, FP8 weights: two Mosaic GPU products, the
+      activation and quantisation in XLA; the products and the hidden in dtype pass through
+      memory), "xla", a sequence tried in order, or None (IMPLEMENTATIONS' order on a GPU, XLA
+      elsewhere).
+    config: the tiling: `pallas.Config` for Triton, with no K split, and block_n 128 for FP8
+      weights (the epilogue quantises whole 128-column groups; default
+      `triton.swiglu_config`); or `mosaic_gpu.Config` (each product's).
   Returns:
     FP8: a QuantizedActivation, codes `[M, N]`, scales `[M, ceil(N/128)]` (layout "row").
     High precision: `[M, N]` in dtype.
@@ -161,7 +163,8 @@ def ragged_swiglu(a: jax.Array | QuantizedActivation, gate: jax.Array,
     raise InputError(f"act must be one of {ACTIVATIONS}, got {act!r}")
   if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize > 4:
     raise DTypeError(f"dtype must be bfloat16, float16 or float32, got {jnp.dtype(dtype)}")
-  if config is not None and (config.k_splits != 1 or quantized and config.block_n != BLOCK):
+  if isinstance(config, Config) and (config.k_splits != 1
+                                     or quantized and config.block_n != BLOCK):
     raise InputError(f"ragged_swiglu needs k_splits=1 (its activation takes whole sums) and "
                      f"with FP8 weights block_n={BLOCK} (whole quantisation groups), got "
                      f"{config}")
@@ -188,10 +191,19 @@ def ragged_swiglu(a: jax.Array | QuantizedActivation, gate: jax.Array,
         a.q, a.scale, a.layout, gate, gate_scale, up, up_scale, group_sizes, rows, cfg, act,
         dtype, fmt, ue8m0), group_size=BLOCK)
 
-  backends = {"triton": kernel,
+  def mosaic():
+    if not quantized:
+      raise Unsupported("the Mosaic GPU ragged kernel takes FP8 weights")
+    if m == 0:
+      return kernel()
+    fp8_api._check_kernel(gate, config, mosaic_gpu)
+    return mosaic_gpu.ragged_swiglu(a.q, a.scale, a.layout, gate, gate_scale, up, up_scale,
+                                    group_sizes, rows, config, act, dtype, fmt, ue8m0)
+
+  backends = {"triton": kernel, "mosaic_gpu": mosaic,
               "xla": lambda: xla.ragged_swiglu(a, gate, gate_scale, up, up_scale, group_sizes,
                                                rows, act, dtype, fmt, ue8m0)}
-  return dispatch("ragged_swiglu", backends, implementation, gpu_order=("triton", "xla"))
+  return dispatch("ragged_swiglu", backends, implementation, gpu_order=IMPLEMENTATIONS)
 
 
 def _check_high_precision(a, weight, name: str = "weight") -> tuple[int, int, int]:

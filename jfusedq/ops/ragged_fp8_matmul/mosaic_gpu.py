@@ -6,6 +6,9 @@ rows (`rows`) are gathered into expert order by XLA first, a copy of M x K fp8 c
 Triton kernel avoids by gathering in its loads; the tiles then load aligned 128-row blocks,
 and a block holding rows of several experts is computed once for each, each time storing its
 expert's rows alone.
+
+`ragged_swiglu` is the unfused steps on this kernel: the gate and up products (the rows
+gathered once for both), the activation and the hidden's quantisation in XLA.
 """
 
 from __future__ import annotations
@@ -15,11 +18,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation
 from jfusedq.ops.fp8_matmul import mosaic_gpu
 from jfusedq.ops.fp8_matmul.mosaic_gpu import BLOCK_M, Config, check
+from jfusedq.ops.group_quant.api import group_quant
 from jfusedq.ops.ragged_fp8_matmul import tiles
+from jfusedq.ops.ragged_fp8_matmul.reference import swiglu
 
-__all__ = ["Config", "check", "heuristics", "ragged_matmul"]
+__all__ = ["Config", "check", "heuristics", "ragged_matmul", "ragged_swiglu"]
 
 
 def heuristics(m: int, n: int, k: int, groups: int, out_dtype=jnp.bfloat16) -> Config:
@@ -38,10 +44,28 @@ def ragged_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, w: jax.Array, sw:
   group_sizes `[E]`, rows `[M]` or None -> `[M, N]`."""
   e, n, k = w.shape
   check(qa, n, k)
-  if rows is not None:
-    qa = qa[rows]
-    sa = sa[rows] if a_layout == "row" else sa[:, rows]
+  qa, sa = _gather(qa, sa, a_layout, rows)
   m = qa.shape[0]
   cfg = config or heuristics(m, n, k, e, out_dtype)
   return mosaic_gpu.fp8_matmul(qa, sa, a_layout, w, sw, cfg, out_dtype,
                                row_tiles=tiles.block_map(group_sizes, m, BLOCK_M))
+
+
+def ragged_swiglu(qa: jax.Array, sa: jax.Array, a_layout: str, gate: jax.Array,
+                  gate_scale: jax.Array, up: jax.Array, up_scale: jax.Array,
+                  group_sizes: jax.Array, rows: jax.Array | None, config: Config | None,
+                  act: str, dtype, fmt: Fp8Format, ue8m0: bool) -> QuantizedActivation:
+  """`api.ragged_swiglu` for FP8 weights: the hidden `[M, N]` quantised, row scales."""
+  check(qa, gate.shape[1], gate.shape[2])
+  qa, sa = _gather(qa, sa, a_layout, rows)
+  g, u = (ragged_matmul(qa, sa, a_layout, w, s, group_sizes, None, config, dtype)
+          for w, s in ((gate, gate_scale), (up, up_scale)))
+  return group_quant(swiglu(g, u, act, dtype), group_size=BLOCK, fmt=fmt, ue8m0=ue8m0,
+                     layout="row")
+
+
+def _gather(qa, sa, a_layout, rows):
+  """The codes and scales of the sorted rows (all of them, in order, where `rows` is None)."""
+  if rows is None:
+    return qa, sa
+  return qa[rows], sa[rows] if a_layout == "row" else sa[:, rows]
