@@ -12,7 +12,7 @@ Implementations:
   default   `ragged_fp8_matmul` / `ragged_swiglu` as a user calls it (Triton on a GPU)
   triton    the same, named
   mosaic_gpu  the Mosaic GPU kernel (Hopper; `up` gathers its rows in XLA first; `gate_up`
-            is its two products, the activation and `group_quant` in XLA)
+            its gate and up pair with the activation, then `group_quant`)
   xla       the XLA loop over filled row tiles (timed up to --xla-max tokens; the reference
             every row is checked against at every size)
   gathered  `grouped_fp8_matmul` with a product per pair (the decode path, up to 64 tokens)

@@ -347,20 +347,29 @@ def test_mosaic_gpu_equals_dense_per_expert(impl):
                                                ("silu_round_mul", "row", True)])
 @pytest.mark.parametrize("impl", [MOSAIC_GPU])
 def test_mosaic_gpu_swiglu(impl, act, layout, ue8m0):
-  """The composed backend (two Mosaic GPU products, the activation and quantisation in XLA)
-  against the reference, gathered rows, two of them past the groups."""
+  """The gate and up pair (both products and the activation in the kernel) against the
+  reference, gathered rows, two of them past the groups; and against its unfused steps on the
+  same kernel (same products and roundings: only the sigmoid's last f32 bit may differ)."""
   t, topk, e, n, k = 45, 3, 5, 256, 384
   (wg, sg), (wu, su) = (experts(("ms", p), e, n, k) for p in "gu")
   rows, sizes = pairs("msi", t, topk, e)
   sizes = sizes.at[2].add(-2)
   qa = group_quant(activations(rng("msx"), (t, k)), fmt="e4m3fn", layout=layout, ue8m0=ue8m0,
                    implementation="xla")
-  got = ragged_swiglu(qa, wg, sg, wu, su, sizes, rows=rows, act=act, ue8m0=ue8m0,
-                      config=MosaicConfig(128, stages=2, persistent=True), implementation=impl)
+  cfg = MosaicConfig(128, stages=2, persistent=True)
+  got = ragged_swiglu(qa, wg, sg, wu, su, sizes, rows=rows, act=act, ue8m0=ue8m0, config=cfg,
+                      implementation=impl)
   want = reference.ragged_swiglu(qa, wg, sg, wu, su, sizes, rows, act, jnp.bfloat16,
                                  FORMATS["e4m3fn"], ue8m0)
   assert_hidden_close(got, want)
   assert not np.any(np.asarray(got.q, np.float32)[int(sizes.sum()):])
+  g, u = (ragged_fp8_matmul(qa, w, sw, sizes, rows=rows, config=cfg, implementation=impl)
+          for w, sw in ((wg, sg), (wu, su)))
+  steps = group_quant(reference.swiglu(g, u, act, jnp.bfloat16), fmt="e4m3fn", ue8m0=ue8m0,
+                      implementation="xla")
+  np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(steps.scale))
+  same = np.mean(np.asarray(got.q, np.float32) == np.asarray(steps.q, np.float32))
+  assert same >= 0.999, same
 
 
 @pytest.mark.lowering
@@ -387,6 +396,15 @@ def test_mosaic_gpu_lowers(target, config):
       lower(target, fn, *args)
   else:
     assert "mosaic_gpu" in lower(target, fn, *args)
+  if config is None:  # the gate and up pair, its activation in the epilogue
+    pair = lambda q, s, w, sw, g, r: ragged_swiglu(
+        QuantizedActivation(q, s, layout="col"), w, sw, w, sw, g, rows=r, act="silu_round_mul",
+        implementation="mosaic_gpu")
+    if target != "h200":
+      with pytest.raises(Unsupported):
+        lower(target, pair, *args)
+    else:
+      assert "mosaic_gpu" in lower(target, pair, *args)
 
 
 def test_xla_cost_grows_with_rows_not_experts():

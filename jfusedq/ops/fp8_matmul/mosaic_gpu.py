@@ -124,10 +124,11 @@ class Config:
 SPLIT_MIN_K = 2048  # K in parts only beyond it (a short K runs persistent, measured faster)
 
 
-def smem_bytes(cfg: Config, out_dtype) -> int:
-  """Shared memory of a CTA: the pipeline's stages (activation and weight blocks, their scales)
-  and the two compute warpgroups' output staging, with 1 KiB for the barriers."""
-  stage = (BLOCK_M + cfg.block_n) * BLOCK_K + 4 * (BLOCK_M + 2 * SW_BOX)
+def smem_bytes(cfg: Config, out_dtype, weights: int = 1) -> int:
+  """Shared memory of a CTA: the pipeline's stages (activation and `weights` weight blocks,
+  their scales) and the two compute warpgroups' output staging, with 1 KiB for the
+  barriers."""
+  stage = (BLOCK_M + weights * cfg.block_n) * BLOCK_K + 4 * (BLOCK_M + weights * 2 * SW_BOX)
   staged = jnp.dtype(jnp.float32 if cfg.splits > 1 else out_dtype).itemsize
   return cfg.stages * stage + 2 * WG_M * cfg.block_n * staged + 1024
 
@@ -153,6 +154,17 @@ def heuristics(m: int, n: int, k: int, out_dtype=jnp.bfloat16) -> Config:
   while smem_bytes(cfg, out_dtype) > _target.HOPPER_SMEM_BYTES and cfg.stages > 1:
     cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
   return cfg
+
+
+def swiglu(g, u, act: str, dtype):
+  """`ragged_fp8_matmul.reference.swiglu` on a tile's f32 sums in registers, in f32: each
+  rounding to dtype as a round trip (the store rounds the result)."""
+  rounded = lambda v: v.astype(dtype).astype(jnp.float32)
+  g, u = rounded(g), rounded(u)
+  s = g * jax.nn.sigmoid(g)
+  if act == "silu_round_mul":
+    s = rounded(s)
+  return s * u
 
 
 def tiles(m: int, n: int, block_n: int) -> int:
@@ -193,7 +205,8 @@ def check(qa: jax.Array, n: int, k: int) -> None:
 
 
 def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: jax.Array,
-               config: Config | None, out_dtype, *, row_tiles: jax.Array | None = None
+               config: Config | None, out_dtype, *, row_tiles: jax.Array | None = None,
+               up: tuple[jax.Array, jax.Array] | None = None, act: str = "silu_mul"
                ) -> jax.Array:
   """qa [M, K] fp8, sa [M, KB] ("row") or [KB, M] ("col"), qw [N, K], sw [NB, KB] -> [M, N].
 
@@ -203,7 +216,13 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   block[i] against expert[i]'s weight and stores rows lo[i] .. hi[i] - 1 only, in boxes of
   64, 32, .., 1 rows (a TMA box's size is static); a tile storing nothing skips its K loop.
   Expert E, the rows past the groups, reads weight rows past the array, which TMA fills with
-  zeros: those rows are zeros."""
+  zeros: those rows are zeros.
+
+  With `up` (its codes and scales, shaped as qw and sw; block_n 128, one chunk): qw is the
+  gate, and the output is the experts' activation of the two products,
+  `ragged_fp8_matmul.reference.swiglu(a @ qw^T, a @ up^T, act, out_dtype)`: each activation
+  block is loaded once for both, the two sums take a 256-wide tile's registers (the chunks one
+  after another), and the activation runs on them in the epilogue."""
   m, k = qa.shape
   n = qw.shape[-2]
   check(qa, n, k)
@@ -212,9 +231,12 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   if ragged and (n % cfg.block_n or cfg.splits > 1):
     raise InputError(f"{cfg}: a ragged product needs block_n dividing N = {n} (a tile reads "
                      f"one expert) and splits=1")
-  if smem_bytes(cfg, out_dtype) > _target.HOPPER_SMEM_BYTES:
+  if up is not None and (cfg.block_n != BLOCK or cfg.chunks != 1 or cfg.splits > 1):
+    raise InputError(f"{cfg}: the gate and up pair needs block_n={BLOCK}, chunks=1, splits=1")
+  nw = 1 if up is None else 2  # weights a tile reads
+  if smem_bytes(cfg, out_dtype, nw) > _target.HOPPER_SMEM_BYTES:
     raise InputError(f"{cfg} with a {jnp.dtype(out_dtype).name} output needs "
-                      f"{smem_bytes(cfg, out_dtype)} bytes of shared memory, over Hopper's "
+                      f"{smem_bytes(cfg, out_dtype, nw)} bytes of shared memory, over Hopper's "
                       f"{_target.HOPPER_SMEM_BYTES}: fewer stages or a narrower tile")
   bn, kb = cfg.block_n, k // BLOCK_K
   if kb % cfg.splits:
@@ -222,6 +244,8 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   kp = kb // cfg.splits  # K blocks per CTA
   staged = jnp.float32 if cfg.splits > 1 else out_dtype
   cw = bn // cfg.chunks
+  # A warpgroup's accumulator chunks: (weight, its column chunk).
+  parts = [(w, c) for w in range(nw) for c in range(cfg.chunks)]
   # Rows past M arrive as zeros and the stores clip them (TMA, as for the columns past N), so M
   # is padded only to the 8-row tiling of the activation's shared-memory layout, which TMA
   # needs the array's rows to divide: no copy of the activation or the output where M % 8 == 0.
@@ -231,27 +255,28 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   mt = row_tiles.shape[1] if ragged else -(-m // BLOCK_M)
   nb = sw.shape[-2]
   # The experts' weights one above the other: expert e's tile ni is weight tile e * nt + ni.
-  qw, sw = qw.reshape(-1, k), sw.reshape(-1, sw.shape[-1])
+  weights = [(qw, sw)] + ([up] if up is not None else [])
+  ws = [w.reshape(-1, k) for w, _ in weights]
+  sws = [s.reshape(-1, s.shape[-1]) for _, s in weights]
   sa_col = sa if a_layout == "col" else sa.T
   if mp != m:
     qa = jnp.pad(qa, ((0, mp - m), (0, 0)))
     sa_col = jnp.pad(sa_col, ((0, 0), (0, mp - m)))
   if kb % 4:
-    sw = jnp.pad(sw, ((0, 0), (0, 4 - kb % 4)))
+    sws = [jnp.pad(s, ((0, 0), (0, 4 - kb % 4))) for s in sws]
 
   def pipeline(step, context, mi, ni, b0=0, expert=0):  # b0: the CTA's first K block
+    w_spec = plgpu.BlockSpec((bn, BLOCK_K), lambda b: (expert * nt + ni, b0 + b),
+                             transforms=_TRANSFORMS)
+    # Element offset: the tile's first weight block, whatever the tile's width.
+    sw_spec = plgpu.BlockSpec((pl.Element(2), SW_BOX),
+                              lambda b: (expert * nb + ni * bn // BLOCK, (b0 + b) // SW_BOX))
     return plgpu.emit_pipeline_warp_specialized(
         step, grid=(kp,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
         max_concurrent_steps=cfg.stages, compute_context=context,
         in_specs=[plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda b: (mi, b0 + b),
-                                  transforms=_TRANSFORMS),
-                  plgpu.BlockSpec((bn, BLOCK_K), lambda b: (expert * nt + ni, b0 + b),
-                                  transforms=_TRANSFORMS),
-                  plgpu.BlockSpec((1, BLOCK_M), lambda b: (b0 + b, mi)),
-                  # Element offset: the tile's first weight block, whatever the tile's width.
-                  plgpu.BlockSpec((pl.Element(2), SW_BOX),
-                                  lambda b: (expert * nb + ni * bn // BLOCK,
-                                             (b0 + b) // SW_BOX))])
+                                  transforms=_TRANSFORMS), *[w_spec] * nw,
+                  plgpu.BlockSpec((1, BLOCK_M), lambda b: (b0 + b, mi)), *[sw_spec] * nw])
 
   def handoff(turn, skip):
     """Meet the other compute warpgroup at `turn` (Config.pingpong; None: no ordering), unless
@@ -263,7 +288,8 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
         plgpu.barrier_wait(turn)
 
   def tile(ti, ni, refs, o_smem, turn, allocations=None, ks=0):
-    a_gmem, sa_gmem, w_gmem, sw_gmem, *tiles_gmem, o_gmem = refs
+    a_gmem, sa_gmem, *refs = refs
+    w_gmems, sw_gmems, tiles_gmem, o_gmem = refs[:nw], refs[nw:2 * nw], refs[2 * nw:-1], refs[-1]
     if ragged:
       mi, expert, lo, hi = (tiles_gmem[0][j, ti] for j in range(4))
     else:
@@ -272,23 +298,30 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
     wg = lax.axis_index("wg")
     rows = pl.ds(wg * WG_M, WG_M)
 
-    def step(idx, a_smem, w_smem, sa_smem, sw_smem, acc):
+    def step(idx, a_smem, *refs):
+      w_smems, sa_smem, sw_smems, acc = refs[:nw], refs[nw], refs[nw + 1:-1], refs[-1]
       kg = b0 + idx[0]  # the K block
-      issue = lambda c, d_ref: plgpu.wgmma(d_ref, a_smem.at[rows],
-                                           w_smem.at[pl.ds(c * cw, cw)].transpose((1, 0)))
-      scales = lambda: (plgpu.load(sa_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1)),
-                        sw_smem[0, kg % SW_BOX], sw_smem[1, kg % SW_BOX])
 
-      def rescale(c, d_ref, s_a, s0, s1):  # acc[c] + chunk c's product times its scales
+      def issue(j, d_ref):
+        w, c = parts[j]
+        plgpu.wgmma(d_ref, a_smem.at[rows], w_smems[w].at[pl.ds(c * cw, cw)].transpose((1, 0)))
+
+      # The rows' scales, then each weight's two block scales.
+      scales = lambda: (plgpu.load(sa_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1)),
+                        *[(sw[0, kg % SW_BOX], sw[1, kg % SW_BOX]) for sw in sw_smems])
+
+      def rescale(j, d_ref, s_a, *s_w):  # acc[j] + part j's product times its scales
+        w, c = parts[j]
+        s0, s1 = s_w[w]
         # The chunk's first column, counted from the first weight block the tile touches.
         lo = (ni * bn) % BLOCK + c * cw
         if BLOCK % cw == 0:  # the chunk lies in one weight block: one FMA per value
-          return acc[c] + d_ref[...] * (s_a * jnp.where(lo < BLOCK, s0, s1))[:, None]
+          return acc[j] + d_ref[...] * (s_a * jnp.where(lo < BLOCK, s0, s1))[:, None]
         # Columns before the block edge take the first block's scale, the rest the second's.
         col = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (cw,), 0) + lo,
                                 plgpu.Layout.WGMMA.reduce(0))
         s_w = jnp.where(col < BLOCK, s0, s1)
-        return acc[c] + d_ref[...] * s_a[:, None] * s_w[None, :]
+        return acc[j] + d_ref[...] * s_a[:, None] * s_w[None, :]
 
       # Config.pingpong: each issue between two handoffs, so the turns alternate: the first
       # warpgroup's issue, then the second's, then the first's next. Within a tile only (the
@@ -301,33 +334,35 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
         handoff(turn, (wg == 1) & last)
 
       first, last = idx[0] == 0, idx[0] == kp - 1
-      if bn == 256:  # the chunks one after another (Config)
-        s_a, s0, s1 = scales()
+      if nw * bn == 256:  # 256 columns of sums: the parts one after another (Config)
+        s = scales()
 
-        def chunk(c, d_ref):
-          ordered_issue(first & (c == 0), last & (c == cfg.chunks - 1),
-                        lambda: issue(c, d_ref))
+        def chunk(j, d_ref):
+          ordered_issue(first & (j == 0), last & (j == len(parts) - 1),
+                        lambda: issue(j, d_ref))
           plgpu.wgmma_wait(0)
-          return rescale(c, d_ref, s_a, s0, s1)
+          return rescale(j, d_ref, *s)
 
-        return tuple(pl.run_scoped(functools.partial(chunk, c), plgpu.ACC((WG_M, cw),
+        return tuple(pl.run_scoped(functools.partial(chunk, j), plgpu.ACC((WG_M, cw),
                                                                          jnp.float32))
-                     for c in range(cfg.chunks))
+                     for j in range(len(parts)))
 
       def mma(*d_refs):
-        ordered_issue(first, last, lambda: [issue(c, d_ref) for c, d_ref in enumerate(d_refs)])
-        s_a, s0, s1 = scales()
+        ordered_issue(first, last, lambda: [issue(j, d_ref) for j, d_ref in enumerate(d_refs)])
+        s = scales()
         out = []
-        for c, d_ref in enumerate(d_refs):
-          plgpu.wgmma_wait(cfg.chunks - 1 - c)
-          out.append(rescale(c, d_ref, s_a, s0, s1))
+        for j, d_ref in enumerate(d_refs):
+          plgpu.wgmma_wait(len(parts) - 1 - j)
+          out.append(rescale(j, d_ref, *s))
         return tuple(out)
 
-      return pl.run_scoped(mma, *[plgpu.ACC((WG_M, cw), jnp.float32)] * cfg.chunks)
+      return pl.run_scoped(mma, *[plgpu.ACC((WG_M, cw), jnp.float32)] * len(parts))
 
     def context(run):
       zero = plgpu.layout_cast(jnp.zeros((WG_M, cw), jnp.float32), plgpu.Layout.WGMMA)
-      acc = run((zero,) * cfg.chunks)
+      acc = run((zero,) * len(parts))
+      if up is not None:  # the gate's chunks, then the up's
+        acc = [swiglu(g, u, act, out_dtype) for g, u in zip(acc[:cfg.chunks], acc[cfg.chunks:])]
       if cfg.persistent:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read o_smem
       for c, part in enumerate(acc):
@@ -351,7 +386,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
         plgpu.wait_smem_to_gmem(0)
 
     run = lambda: pipeline(step, context, mi, ni, b0, expert)(
-        a_gmem, w_gmem, sa_gmem, sw_gmem, allocations=allocations)
+        a_gmem, *w_gmems, sa_gmem, *sw_gmems, allocations=allocations)
     if ragged:
       pl.when(lo < hi)(run)
     else:
@@ -369,8 +404,9 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
     else:
       # The pipeline's buffers outlive the tiles: the memory warpgroup starts copying the next
       # tile's blocks while the compute warpgroups store the last one.
-      a_gmem, sa_gmem, w_gmem, sw_gmem, *_ = refs
-      allocs = pipeline(None, None, 0, 0).get_allocations(a_gmem, w_gmem, sa_gmem, sw_gmem)
+      a_gmem, sa_gmem, *operands = refs
+      allocs = pipeline(None, None, 0, 0).get_allocations(a_gmem, *operands[:nw], sa_gmem,
+                                                          *operands[nw:2 * nw])
 
       def scope(allocations, o_smem, turn):
         @plgpu.nd_loop((mt * nt,), collective_axes="c")
@@ -392,7 +428,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
       kernel, out_type=jax.ShapeDtypeStruct(out_shape, staged), grid=grid, grid_names=names,
       num_threads=3, thread_name="wg",
       interpret=plgpu.InterpretGPUParams() if _target.interpret() else False,
-  )(qa, sa_col, qw, sw, *([row_tiles] if ragged else []))
+  )(qa, sa_col, *ws, *sws, *([row_tiles] if ragged else []))
   if cfg.splits > 1:
     out = out.sum(0).astype(out_dtype)
   return out[:m] if mp != m else out

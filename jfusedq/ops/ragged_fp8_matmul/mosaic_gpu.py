@@ -7,8 +7,9 @@ Triton kernel avoids by gathering in its loads; the tiles then load aligned 128-
 and a block holding rows of several experts is computed once for each, each time storing its
 expert's rows alone.
 
-`ragged_swiglu` is the unfused steps on this kernel: the gate and up products (the rows
-gathered once for both), the activation and the hidden's quantisation in XLA.
+`ragged_swiglu` runs the kernel's gate and up pair: both products of each activation block,
+the activation on the two sums in the epilogue, the hidden stored in its dtype and quantised
+by `group_quant` after.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import jax.numpy as jnp
 
 from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation
 from jfusedq.ops.fp8_matmul import mosaic_gpu
-from jfusedq.ops.fp8_matmul.mosaic_gpu import BLOCK_M, Config, check
+from jfusedq import _target
+from jfusedq.ops.fp8_matmul.mosaic_gpu import BLOCK_M, Config, check, smem_bytes
 from jfusedq.ops.group_quant.api import group_quant
 from jfusedq.ops.ragged_fp8_matmul import tiles
-from jfusedq.ops.ragged_fp8_matmul.reference import swiglu
 
-__all__ = ["Config", "check", "heuristics", "ragged_matmul", "ragged_swiglu"]
+__all__ = ["Config", "check", "heuristics", "ragged_matmul", "ragged_swiglu", "swiglu_config"]
 
 
 def heuristics(m: int, n: int, k: int, groups: int, out_dtype=jnp.bfloat16) -> Config:
@@ -35,6 +36,14 @@ def heuristics(m: int, n: int, k: int, groups: int, out_dtype=jnp.bfloat16) -> C
   cfg = mosaic_gpu.heuristics(rows, n, k, out_dtype)
   return dataclasses.replace(cfg, persistent=True, splits=1,
                              chunks=2 if cfg.block_n == 192 else cfg.chunks)
+
+
+def swiglu_config(dtype=jnp.bfloat16) -> Config:
+  """The pair's tiling (128 hidden columns, persistent), as many stages (up to 4) as fit."""
+  cfg = Config(BLOCK, persistent=True)
+  while smem_bytes(cfg, dtype, weights=2) > _target.HOPPER_SMEM_BYTES and cfg.stages > 1:
+    cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
+  return cfg
 
 
 def ragged_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, w: jax.Array, sw: jax.Array,
@@ -58,10 +67,11 @@ def ragged_swiglu(qa: jax.Array, sa: jax.Array, a_layout: str, gate: jax.Array,
   """`api.ragged_swiglu` for FP8 weights: the hidden `[M, N]` quantised, row scales."""
   check(qa, gate.shape[1], gate.shape[2])
   qa, sa = _gather(qa, sa, a_layout, rows)
-  g, u = (ragged_matmul(qa, sa, a_layout, w, s, group_sizes, None, config, dtype)
-          for w, s in ((gate, gate_scale), (up, up_scale)))
-  return group_quant(swiglu(g, u, act, dtype), group_size=BLOCK, fmt=fmt, ue8m0=ue8m0,
-                     layout="row")
+  m = qa.shape[0]
+  h = mosaic_gpu.fp8_matmul(qa, sa, a_layout, gate, gate_scale, config or swiglu_config(dtype),
+                            dtype, row_tiles=tiles.block_map(group_sizes, m, BLOCK_M),
+                            up=(up, up_scale), act=act)
+  return group_quant(h, group_size=BLOCK, fmt=fmt, ue8m0=ue8m0, layout="row")
 
 
 def _gather(qa, sa, a_layout, rows):
