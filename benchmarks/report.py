@@ -236,6 +236,14 @@ SPECS["moe_gemm_swiglu_h100"] = dataclasses.replace(
     summary=(("routed TFLOP/s", field("tflops", 1)), ("of roofline", field("roofline_frac")),
              ("vs unfused", lambda r, by: ratio(by.get("unfused"), r))),
     headline=())
+# The ragged Mosaic GPU kernel beside Triton's at prefill token counts (`--impls triton
+# mosaic_gpu unfused --tokens 4096 16384 --routings uniform --tag mosaic`).
+SPECS["moe_gemm_mosaic"] = dataclasses.replace(
+    SPECS["moe_gemm"], title="MoE expert GEMMs at prefill token counts: the Mosaic GPU ragged "
+    "kernel against Triton's",
+    summary=(("routed TFLOP/s", field("tflops", 1)), ("of roofline", field("roofline_frac")),
+             ("vs Triton", lambda r, by: ratio(by.get("triton"), r))),
+    headline=())
 SPECS["prefill_h100"] = dataclasses.replace(
     SPECS["prefill"], title="Prefill of the model presets, on an H100", headline=())
 ORDER = list(SPECS)
