@@ -240,7 +240,11 @@ def main():
                 or impl == "gathered" and t > 64):
               continue
             op = ops[impl]
-            err = rel_rms(dequantized(op(*problem)), want)
+            try:
+              err = rel_rms(dequantized(op(*problem)), want)
+            except Exception as e:  # noqa: BLE001  (one implementation's failure: no row)
+              print(f"{impl} failed, no row: {type(e).__name__}: {str(e)[:500]}", flush=True)
+              continue
             tol = TOL_HIDDEN if proj == "gate_up" else 2.0**-8
             t_ = _harness.measure(op, make, args.calls, chain=args.smoke)
             sec = t_["kernel_s"] or t_["chain_s"]
