@@ -366,21 +366,24 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
       if cfg.persistent:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read o_smem
       for c, part in enumerate(acc):
-        o_smem[wg, :, pl.ds(c * cw, cw)] = part.astype(staged)
+        o_smem[wg, c] = part.astype(staged)
       plgpu.commit_smem()
       dst = o_gmem.at[ks] if cfg.splits > 1 else o_gmem
-      row0, cols = mi * BLOCK_M + wg * WG_M, pl.ds(ni * bn, bn)
+      row0 = mi * BLOCK_M + wg * WG_M
+
+      def store(at, size):  # rows at .. at + size - 1 of this warpgroup's 64
+        for c in range(cfg.chunks):
+          plgpu.copy_smem_to_gmem(o_smem.at[wg, c, pl.ds(at, size)],
+                                  dst.at[pl.ds(row0 + at, size), pl.ds(ni * bn + c * cw, cw)])
+
       if not ragged:
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], dst.at[pl.ds(row0, WG_M), cols])
+        store(0, WG_M)
       else:  # the tile's rows of this warpgroup's 64, as boxes of 64, 32, .., 1 rows
         first = lax.max(lax.min(lo - row0, WG_M), 0)
         count = lax.max(lax.min(hi - row0, WG_M), 0) - first
         size = WG_M
         while size:
-          @pl.when(count & size != 0)
-          def _(at=first, size=size):
-            plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(at, size)],
-                                    dst.at[pl.ds(row0 + at, size), cols])
+          pl.when(count & size != 0)(functools.partial(store, first, size))
           first, size = first + (count & size), size // 2
       if not cfg.persistent:
         plgpu.wait_smem_to_gmem(0)
@@ -394,7 +397,9 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
 
   def kernel(*refs):
     # Allocated by all three warpgroups together (a collective scope), used by the compute two.
-    out_smem = plgpu.SMEM((2, WG_M, bn), staged)
+    # A buffer per column chunk: the ragged stores' row boxes cut from column slices of one
+    # buffer left JAX 0.12's layout inference searching without end.
+    out_smem = plgpu.SMEM((2, cfg.chunks, WG_M, cw), staged)
     turn = plgpu.Barrier(num_arrivals=2) if cfg.pingpong else None
     if not cfg.persistent:
       pl.run_scoped(lambda o_smem, turn: tile(lax.axis_index("m"), lax.axis_index("n"), refs,
