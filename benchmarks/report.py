@@ -240,10 +240,16 @@ SPECS["moe_gemm_swiglu_h100"] = dataclasses.replace(
 # mosaic_gpu unfused --tokens 4096 16384 --routings uniform --tag mosaic`).
 SPECS["moe_gemm_mosaic"] = dataclasses.replace(
     SPECS["moe_gemm"], title="MoE expert GEMMs at prefill token counts: the Mosaic GPU ragged "
-    "kernel against Triton's",
+    "kernel against Triton's, on an H100", default_impl="triton",
     summary=(("routed TFLOP/s", field("tflops", 1)), ("of roofline", field("roofline_frac")),
-             ("vs Triton", lambda r, by: ratio(by.get("triton"), r))),
+             ("Mosaic GPU's speed-up",
+              lambda r, by: ratio(r, by.get("mosaic_gpu")))),
     headline=())
+# The MLA kernel's flat form (one 2-D product a latent group) beside the grouped one at 128
+# heads (`mla_decode.py --sweep --contexts 4096 32768 --heads 128 --tag flat`).
+SPECS["mla_decode_flat"] = dataclasses.replace(
+    SPECS["mla_decode_sweep"], title="MLA decode kernel configs, the flat form beside the grouped "
+    "one, on an H100 (`mla_decode.py --sweep --tag flat`)")
 SPECS["prefill_h100"] = dataclasses.replace(
     SPECS["prefill"], title="Prefill of the model presets, on an H100", headline=())
 ORDER = list(SPECS)

@@ -24,6 +24,7 @@ MODES = {"fp8_matmul_prefill": "fp8_matmul",  # fp8_matmul.py --prefill
          "fp8_matmul_sweep_mosaic_gpu": "fp8_matmul",  # --sweep --sweep-impl mosaic_gpu
          # --sweep --sweep-impl mosaic_gpu --sweep-vary pingpong --tag pingpong
          "fp8_matmul_sweep_mosaic_gpu_pingpong": "fp8_matmul",
+         "mla_decode_flat": "mla_decode",  # --sweep --heads 128 --tag flat
          "mla_decode_sweep": "mla_decode",  # --sweep --tag sweep
          "moe_gemm_mosaic": "moe_gemm",  # --impls triton mosaic_gpu unfused --tag mosaic
          "moe_gemm_qwen_h100": "moe_gemm",  # --models qwen3.5 --tag qwen_h100

@@ -19,7 +19,8 @@ from jfusedq.errors import DTypeError, InputError
 from jfusedq.ops._dispatch import Unsupported
 from jfusedq.ops.fp8_matmul.mosaic_gpu import Config as MosaicConfig
 from jfusedq.ops.fp8_matmul.pallas import Config
-from jfusedq.ops.ragged_fp8_matmul import reference, tiles, xla
+from jfusedq.ops.ragged_fp8_matmul import api, reference, tiles, xla
+from jfusedq.ops.ragged_fp8_matmul import mosaic_gpu as ragged_mosaic
 from jfusedq.testing import rel_rms
 from jfusedq.testing import EDGE_PROJECTIONS
 
@@ -405,6 +406,28 @@ def test_mosaic_gpu_lowers(target, config):
         lower(target, pair, *args)
     else:
       assert "mosaic_gpu" in lower(target, pair, *args)
+
+
+@pytest.mark.parametrize("m,experts,first", [
+    (16384 * 8, 256, "mosaic_gpu"),  # DeepSeek-V3 at 16384 tokens: 512 rows an expert
+    (4096 * 8, 256, "triton"),  # 128 rows an expert, where Triton ran ahead
+    (4096 * 10, 512, "triton"), (512 * 8, 8, "mosaic_gpu"), (511 * 8, 8, "triton")])
+def test_gpu_order(m, experts, first):
+  """Mosaic GPU first from MOSAIC_MIN_ROWS rows an expert on average; Triton after it, and
+  Mosaic GPU after Triton below (where `triton` is not installed)."""
+  order = api.gpu_order(m, experts)
+  assert order[0] == first and sorted(order) == sorted(api.IMPLEMENTATIONS)
+  assert order[-1] == "xla"
+
+
+def test_mosaic_heuristics_tile_one_expert():
+  """The Mosaic GPU pick's width divides N wherever the kernel builds (N % 64 == 0): a tile
+  spanning two experts is refused (`test_mosaic_gpu_lowers`), and the dispatcher would not
+  move on from that refusal."""
+  for n in range(64, 8193, 64):
+    for k in (1024, 7168):
+      for m in (128, 4096, 131072):
+        assert n % ragged_mosaic.heuristics(m, n, k, 64).block_n == 0, (m, n, k)
 
 
 def test_xla_cost_grows_with_rows_not_experts():

@@ -35,8 +35,8 @@ MIN_DOT = 16  # tl.dot's smallest M, N and K
 @dataclasses.dataclass(frozen=True)
 class Config:
   """block_h query heads a program and block_s slots a step; splits of the slots (a grid
-  axis); flat: the latent dequantised to bf16 a block and 2-D products (Hopper's wgmma from 64
-  heads a program) instead of per-group batched products on the exact codes."""
+  axis); flat: one 2-D product a latent group (Hopper's wgmma from 64 heads a program) instead
+  of the groups as a batch axis of 3-D products, the same sums on the exact codes."""
 
   block_h: int = 32
   block_s: int = 32
@@ -58,8 +58,9 @@ def heuristics(tokens: int, heads: int, slots: int, device_kind: str | None = No
   """32 heads a program and 32 slots a step in 4 warps, the slots split until about two
   programs an SM, at least 128 slots a split: the fastest of the sweep on an H100 at 128
   heads, 256 and 32768 slots (benchmarks/README.md), where 16 heads a program in half the
-  splits took 1.35x as long at 32768 slots, and 8 warps 1.7-3x."""
-  return Config(block_h=32, splits=splits(tokens, heads, slots, 32, device_kind))
+  splits took 1.35x as long at 32768 slots, and 8 warps 1.7-3x. The flat form: at 4096 slots
+  it ran ahead of the batched one at every tiling timed against it."""
+  return Config(block_h=32, splits=splits(tokens, heads, slots, 32, device_kind), flat=True)
 
 
 def splits(tokens: int, heads: int, slots: int, block_h: int,

@@ -17,12 +17,23 @@ from jfusedq.ops.fp8_matmul.pallas import Config
 from jfusedq.ops.ragged_fp8_matmul import mosaic_gpu, triton, xla
 from jfusedq.ops.ragged_fp8_matmul.reference import ACTIVATIONS
 
-# The GPU order, best first. Mosaic GPU (Hopper) after Triton until measured ahead of it: it
-# runs where `triton` is not installed.
+# The GPU order, best first: Triton, then Mosaic GPU (Hopper; it runs where `triton` is not
+# installed), except from MOSAIC_MIN_ROWS sorted rows an expert on average, where Mosaic GPU's
+# wgmma tiles outrun Triton's despite computing whole 128-row blocks and the XLA row gather
+# before them: on an H100, 1.05-1.33x Triton's speed at 512 rows an expert, 0.87-0.99x at 80-128
+# (benchmarks/README.md).
 IMPLEMENTATIONS = ("triton", "mosaic_gpu", "xla")
+MOSAIC_MIN_ROWS = 512
 declare("ragged_fp8_matmul", IMPLEMENTATIONS)
 declare("ragged_matmul", ("triton", "xla"))
 declare("ragged_swiglu", IMPLEMENTATIONS)
+
+
+def gpu_order(m: int, experts: int) -> tuple[str, ...]:
+  """The GPU backends for `m` sorted rows over `experts` groups, best first (above)."""
+  if m >= MOSAIC_MIN_ROWS * experts:
+    return ("mosaic_gpu", "triton", "xla")
+  return IMPLEMENTATIONS
 
 
 def ragged_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
@@ -49,7 +60,7 @@ def ragged_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
     rows: `[M]` integer source row in `a` of each sorted row (the tokens of the (token, expert)
       pairs, gathered in the kernel's loads), or None: `a`'s own rows, M = T.
     implementation: "triton", "mosaic_gpu" (Hopper; `rows` gathered by XLA first), "xla", a
-      sequence tried in order, or None (IMPLEMENTATIONS' order on a GPU, XLA elsewhere).
+      sequence tried in order, or None (`gpu_order(M, E)` on a GPU, XLA elsewhere).
     config: the tiling: `pallas.Config` (Triton; default `triton.heuristics`) or
       `mosaic_gpu.Config` (default `mosaic_gpu.heuristics`).
   Returns:
@@ -76,7 +87,7 @@ def ragged_fp8_matmul(a: jax.Array | QuantizedActivation, weight: jax.Array,
                                    lambda: mosaic_gpu.heuristics(m, n, k, e, out_dtype)),
               "xla": lambda: xla.ragged_fp8_matmul(qa, weight, weight_scale, group_sizes, rows,
                                                    out_dtype)}
-  return dispatch("ragged_fp8_matmul", backends, implementation, gpu_order=IMPLEMENTATIONS)
+  return dispatch("ragged_fp8_matmul", backends, implementation, gpu_order=gpu_order(m, e))
 
 
 def ragged_matmul(a: jax.Array, weight: jax.Array, group_sizes: jax.Array, *,
@@ -134,7 +145,7 @@ def ragged_swiglu(a: jax.Array | QuantizedActivation, gate: jax.Array,
     ue8m0: power-of-two scales for both quantisations (of `a` if bf16, and of the hidden).
     implementation: "triton", "mosaic_gpu" (Hopper, FP8 weights: both products and the
       activation in one kernel, the hidden through memory in dtype to `group_quant`), "xla", a
-      sequence tried in order, or None (IMPLEMENTATIONS' order on a GPU, XLA elsewhere).
+      sequence tried in order, or None (`gpu_order(M, E)` on a GPU, XLA elsewhere).
     config: the tiling: `pallas.Config` for Triton, with no K split, and block_n 128 for FP8
       weights (the epilogue quantises whole 128-column groups; default
       `triton.swiglu_config`); or `mosaic_gpu.Config` with block_n 128 and one chunk (default
@@ -203,7 +214,7 @@ def ragged_swiglu(a: jax.Array | QuantizedActivation, gate: jax.Array,
   backends = {"triton": kernel, "mosaic_gpu": mosaic,
               "xla": lambda: xla.ragged_swiglu(a, gate, gate_scale, up, up_scale, group_sizes,
                                                rows, act, dtype, fmt, ue8m0)}
-  return dispatch("ragged_swiglu", backends, implementation, gpu_order=IMPLEMENTATIONS)
+  return dispatch("ragged_swiglu", backends, implementation, gpu_order=gpu_order(m, e))
 
 
 def _check_high_precision(a, weight, name: str = "weight") -> tuple[int, int, int]:
