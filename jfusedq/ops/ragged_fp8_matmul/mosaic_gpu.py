@@ -18,6 +18,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation
 from jfusedq.ops.fp8_matmul import mosaic_gpu
@@ -75,7 +76,13 @@ def ragged_swiglu(qa: jax.Array, sa: jax.Array, a_layout: str, gate: jax.Array,
 
 
 def _gather(qa, sa, a_layout, rows):
-  """The codes and scales of the sorted rows (all of them, in order, where `rows` is None)."""
+  """The codes and scales of the sorted rows (all of them, in order, where `rows` is None).
+
+  The codes move as 4-byte words (K is a multiple of 128): XLA's gather of the 1-byte codes
+  ran at under half the copy bandwidth (1.14 ms for 131072 rows of 7168 on an H100)."""
   if rows is None:
     return qa, sa
-  return qa[rows], sa[rows] if a_layout == "row" else sa[:, rows]
+  t, k = qa.shape
+  words = lax.bitcast_convert_type(qa.reshape(t, k // 4, 4), jnp.uint32)[rows]
+  qa = lax.bitcast_convert_type(words, qa.dtype).reshape(rows.shape[0], k)
+  return qa, sa[rows] if a_layout == "row" else sa[:, rows]
