@@ -237,7 +237,7 @@ SPECS["moe_gemm_swiglu_h100"] = dataclasses.replace(
              ("vs unfused", lambda r, by: ratio(by.get("unfused"), r))),
     headline=())
 # The ragged Mosaic GPU kernel beside Triton's at prefill token counts (`--impls triton
-# mosaic_gpu unfused --tokens 4096 16384 --routings uniform --tag mosaic`).
+# mosaic_gpu --tokens 4096 16384 --routings uniform --tag mosaic`).
 SPECS["moe_gemm_mosaic"] = dataclasses.replace(
     SPECS["moe_gemm"], title="MoE expert GEMMs at prefill token counts: the Mosaic GPU ragged "
     "kernel against Triton's, on an H100", default_impl="triton",

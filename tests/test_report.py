@@ -26,7 +26,7 @@ MODES = {"fp8_matmul_prefill": "fp8_matmul",  # fp8_matmul.py --prefill
          "fp8_matmul_sweep_mosaic_gpu_pingpong": "fp8_matmul",
          "mla_decode_flat": "mla_decode",  # --sweep --heads 128 --tag flat
          "mla_decode_sweep": "mla_decode",  # --sweep --tag sweep
-         "moe_gemm_mosaic": "moe_gemm",  # --impls triton mosaic_gpu unfused --tag mosaic
+         "moe_gemm_mosaic": "moe_gemm",  # --impls triton mosaic_gpu --tag mosaic
          "moe_gemm_qwen_h100": "moe_gemm",  # --models qwen3.5 --tag qwen_h100
          "moe_gemm_swiglu_h100": "moe_gemm",  # --projs gate_up up --tiles ... --tag swiglu_h100
          "prefill_h100": "prefill"}  # --tag h100
