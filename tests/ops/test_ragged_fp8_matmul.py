@@ -257,44 +257,31 @@ def test_swiglu_errors():
     ragged_swiglu(x[:, :128], hp, None, hp, None, sizes)
 
 
-def test_tile_map_covers_every_row_once():
+@pytest.mark.parametrize("align", [1, 8])
+def test_tile_map_covers_every_row_once(align):
   for seed in range(20):
-    r = rng("tiles", seed)
-    e, m, bm = int(r.integers(1, 9)), int(r.integers(1, 300)), int(2 ** r.integers(0, 7))
+    r = rng("tiles", align, seed)
+    e, m = int(r.integers(1, 9)), int(r.integers(1, 300))
+    bm = int(2 ** r.integers(0 if align == 1 else 3, 7))
     sizes = np.bincount(r.integers(0, e, int(r.integers(0, m + 1))), minlength=e)
-    expert, start, end, count = map(np.asarray, tiles.tile_map(jnp.asarray(sizes), m, bm))
-    assert len(expert) == tiles.max_tiles(m, e, bm)
+    expert, start, first, end, count = map(
+        np.asarray, tiles.tile_map(jnp.asarray(sizes), m, bm, align))
+    assert len(expert) == tiles.max_tiles(m, e, bm, align)
+    assert np.all(start % align == 0)
     owner = np.full(m, -1)
     bounds = np.concatenate([[0], np.cumsum(sizes)])
-    for x, s, en in zip(expert, start, end):
+    for x, s, f, en in zip(expert, start, first, end):
       en = min(en, s + bm)  # a tile owns its rows up to its group's end
-      assert np.all(owner[s:en] == -1)
-      owner[s:en] = x
-      if s < en and x < e:  # a tile lies inside its expert's run
-        assert bounds[x] <= s and en <= bounds[x + 1]
+      assert s <= f and (align > 1 or f == s)
+      assert np.all(owner[f:en] == -1)
+      owner[f:en] = x
+      if f < en and x < e:  # a tile lies inside its expert's run
+        assert bounds[x] <= f and en <= bounds[x + 1]
     assert np.all(owner[:bounds[-1]] == np.repeat(np.arange(e), sizes))
     assert np.all(owner[bounds[-1]:] == e)  # the zero pseudo-group
-    assert int(count) == sum(-(-s // bm) for s in sizes)
-
-
-def test_block_map_covers_every_row_once():
-  for seed in range(20):
-    r = rng("blocks", seed)
-    e, m, bm = int(r.integers(1, 9)), int(r.integers(1, 300)), int(2 ** r.integers(0, 7))
-    sizes = np.bincount(r.integers(0, e, int(r.integers(0, m + 1))), minlength=e)
-    block, expert, lo, hi = np.asarray(tiles.block_map(jnp.asarray(sizes), m, bm))
-    assert len(block) == tiles.max_blocks(m, e, bm)
-    owner = np.full(m, -1)
-    bounds = np.concatenate([[0], np.cumsum(sizes), [m]])
-    for b, x, l, h in zip(block, expert, lo, hi):
-      if l == h:
-        continue
-      assert b * bm <= l < h <= (b + 1) * bm  # inside the tile's block
-      assert bounds[x] <= l and h <= bounds[x + 1]  # and its expert's run
-      assert np.all(owner[l:h] == -1)
-      owner[l:h] = x
-    assert np.all(owner == np.concatenate([np.repeat(np.arange(e), sizes),
-                                           np.full(m - bounds[-2], e)]))
+    base = bounds[:-1] - bounds[:-1] % align
+    assert int(count) == sum(-(-(b + s - o) // bm) for s, b, o in zip(sizes, bounds[:-1], base)
+                             if s)
 
 
 # The interpreter runs the kernel's schedule as the GPU does; four SMs make every persistent

@@ -210,13 +210,14 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
                ) -> jax.Array:
   """qa [M, K] fp8, sa [M, KB] ("row") or [KB, M] ("col"), qw [N, K], sw [NB, KB] -> [M, N].
 
-  Ragged (MoE experts over rows sorted by expert), with `row_tiles` (int32 [4, tiles]: block,
-  expert, lo, hi; `ragged_fp8_matmul.tiles.block_map` of BLOCK_M): qw [E, N, K] and sw
-  [E, NB, KB], N a multiple of block_n and one part of K. Tile i computes the 128-row block
-  block[i] against expert[i]'s weight and stores rows lo[i] .. hi[i] - 1 only, in boxes of
-  64, 32, .., 1 rows (a TMA box's size is static); a tile storing nothing skips its K loop.
-  Expert E, the rows past the groups, reads weight rows past the array, which TMA fills with
-  zeros: those rows are zeros.
+  Ragged (MoE experts over rows sorted by expert), with `row_tiles` (int32 [4, tiles]: start,
+  expert, lo, hi; `ragged_fp8_matmul.tiles.tile_map` of BLOCK_M aligned to ROW_TILE): qw
+  [E, N, K] and sw [E, NB, KB], N a multiple of block_n and one part of K. Tile i computes the
+  128 rows from start[i] (a multiple of ROW_TILE: TMA boxes into the tiled shared memory start
+  at whole tiles) against expert[i]'s weight and stores rows lo[i] .. hi[i] - 1 only (inside
+  those 128), in boxes of 64, 32, .., 1 rows (a TMA box's size is static); a tile storing
+  nothing skips its K loop. Expert E, the rows past the groups, reads weight rows past the
+  array, which TMA fills with zeros: those rows are zeros.
 
   With `up` (its codes and scales, shaped as qw and sw; block_n 128, one chunk): qw is the
   gate, and the output is the experts' activation of the two products,
@@ -251,7 +252,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   # needs the array's rows to divide: no copy of the activation or the output where M % 8 == 0.
   mp = -(-m // ROW_TILE) * ROW_TILE
   nt = -(-n // bn)
-  # Row tiles: M's blocks, or the ragged product's tiles (several may share a block).
+  # Row tiles: M's blocks, or the ragged product's tiles (each from its group's rows).
   mt = row_tiles.shape[1] if ragged else -(-m // BLOCK_M)
   nb = sw.shape[-2]
   # The experts' weights one above the other: expert e's tile ni is weight tile e * nt + ni.
@@ -265,7 +266,10 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   if kb % 4:
     sws = [jnp.pad(s, ((0, 0), (0, 4 - kb % 4))) for s in sws]
 
-  def pipeline(step, context, mi, ni, b0=0, expert=0):  # b0: the CTA's first K block
+  # A ragged tile's rows start at any multiple of ROW_TILE: its rows are indexed by element.
+  rows_dim = pl.Element(BLOCK_M) if ragged else BLOCK_M
+
+  def pipeline(step, context, r0, ni, b0=0, expert=0):  # r0: the tile's first row (block)
     w_spec = plgpu.BlockSpec((bn, BLOCK_K), lambda b: (expert * nt + ni, b0 + b),
                              transforms=_TRANSFORMS)
     # Element offset: the tile's first weight block, whatever the tile's width.
@@ -274,9 +278,9 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
     return plgpu.emit_pipeline_warp_specialized(
         step, grid=(kp,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
         max_concurrent_steps=cfg.stages, compute_context=context,
-        in_specs=[plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda b: (mi, b0 + b),
+        in_specs=[plgpu.BlockSpec((rows_dim, BLOCK_K), lambda b: (r0, b0 + b),
                                   transforms=_TRANSFORMS), *[w_spec] * nw,
-                  plgpu.BlockSpec((1, BLOCK_M), lambda b: (b0 + b, mi)), *[sw_spec] * nw])
+                  plgpu.BlockSpec((1, rows_dim), lambda b: (b0 + b, r0)), *[sw_spec] * nw])
 
   def handoff(turn, skip):
     """Meet the other compute warpgroup at `turn` (Config.pingpong; None: no ordering), unless
@@ -291,9 +295,11 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
     a_gmem, sa_gmem, *refs = refs
     w_gmems, sw_gmems, tiles_gmem, o_gmem = refs[:nw], refs[nw:2 * nw], refs[2 * nw:-1], refs[-1]
     if ragged:
-      mi, expert, lo, hi = (tiles_gmem[0][j, ti] for j in range(4))
+      row0, expert, lo, hi = (tiles_gmem[0][j, ti] for j in range(4))
+      row0 = r0 = pl.multiple_of(row0, ROW_TILE)
     else:
-      mi, expert = ti, 0
+      r0, expert = ti, 0
+      row0 = ti * BLOCK_M
     b0 = ks * kp
     wg = lax.axis_index("wg")
     rows = pl.ds(wg * WG_M, WG_M)
@@ -369,18 +375,18 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
         o_smem[wg, c] = part.astype(staged)
       plgpu.commit_smem()
       dst = o_gmem.at[ks] if cfg.splits > 1 else o_gmem
-      row0 = mi * BLOCK_M + wg * WG_M
+      wg_row0 = row0 + wg * WG_M
 
       def store(at, size):  # rows at .. at + size - 1 of this warpgroup's 64
         for c in range(cfg.chunks):
           plgpu.copy_smem_to_gmem(o_smem.at[wg, c, pl.ds(at, size)],
-                                  dst.at[pl.ds(row0 + at, size), pl.ds(ni * bn + c * cw, cw)])
+                                  dst.at[pl.ds(wg_row0 + at, size), pl.ds(ni * bn + c * cw, cw)])
 
       if not ragged:
         store(0, WG_M)
       else:  # the tile's rows of this warpgroup's 64, as boxes of 64, 32, .., 1 rows
-        first = lax.max(lax.min(lo - row0, WG_M), 0)
-        count = lax.max(lax.min(hi - row0, WG_M), 0) - first
+        first = lax.max(lax.min(lo - wg_row0, WG_M), 0)
+        count = lax.max(lax.min(hi - wg_row0, WG_M), 0) - first
         size = WG_M
         while size:
           pl.when(count & size != 0)(functools.partial(store, first, size))
@@ -388,7 +394,7 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
       if not cfg.persistent:
         plgpu.wait_smem_to_gmem(0)
 
-    run = lambda: pipeline(step, context, mi, ni, b0, expert)(
+    run = lambda: pipeline(step, context, r0, ni, b0, expert)(
         a_gmem, *w_gmems, sa_gmem, *sw_gmems, allocations=allocations)
     if ragged:
       pl.when(lo < hi)(run)

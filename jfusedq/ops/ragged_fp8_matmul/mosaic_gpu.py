@@ -1,11 +1,13 @@
 """The ragged product on Hopper: `fp8_matmul`'s Mosaic GPU kernel (FP8 wgmma, warp-specialised)
-over the row tiles of `tiles.block_map`, each reading one expert's weight in place.
+over the row tiles of `tiles.tile_map`, each reading one expert's weight in place.
 
 TMA copies whole boxes of consecutive rows and cannot gather, so the (token, expert) pairs'
 rows (`rows`) are gathered into expert order by XLA first, a copy of M x K fp8 codes that the
-Triton kernel avoids by gathering in its loads; the tiles then load aligned 128-row blocks,
-and a block holding rows of several experts is computed once for each, each time storing its
-expert's rows alone.
+Triton kernel avoids by gathering in its loads; each tile then loads 128 rows from its
+group's first row rounded down to 8 (TMA boxes into tiled shared memory start at multiples of
+the 8-row tiling) and stores its own expert's rows alone: a group's rows are computed by its
+own tiles only, where aligned 128-row blocks would compute a block straddling g groups g
+times.
 
 `ragged_swiglu` runs the kernel's gate and up pair: both products of each activation block,
 the activation on the two sums in the epilogue, the hidden stored in its dtype and quantised
@@ -23,7 +25,7 @@ from jax import lax
 from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation
 from jfusedq.ops.fp8_matmul import mosaic_gpu
 from jfusedq import _target
-from jfusedq.ops.fp8_matmul.mosaic_gpu import BLOCK_M, Config, check, smem_bytes
+from jfusedq.ops.fp8_matmul.mosaic_gpu import BLOCK_M, ROW_TILE, Config, check, smem_bytes
 from jfusedq.ops.group_quant.api import group_quant
 from jfusedq.ops.ragged_fp8_matmul import tiles
 
@@ -31,9 +33,9 @@ __all__ = ["Config", "check", "heuristics", "ragged_matmul", "ragged_swiglu", "s
 
 
 def heuristics(m: int, n: int, k: int, groups: int, out_dtype=jnp.bfloat16) -> Config:
-  """The dense kernel's pick for the tiles a uniform routing fills (`tiles.max_blocks` row
+  """The dense kernel's pick for the tiles a uniform routing fills (`tiles.max_tiles` row
   tiles), persistent and with K in one part (the ragged kernel takes no split)."""
-  rows = min(tiles.max_blocks(m, groups, BLOCK_M) * BLOCK_M, max(m, BLOCK_M))
+  rows = min(tiles.max_tiles(m, groups, BLOCK_M, ROW_TILE) * BLOCK_M, max(m, BLOCK_M))
   cfg = mosaic_gpu.heuristics(rows, n, k, out_dtype)
   return dataclasses.replace(cfg, persistent=True, splits=1,
                              chunks=2 if cfg.block_n == 192 else cfg.chunks)
@@ -58,7 +60,7 @@ def ragged_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, w: jax.Array, sw:
   m = qa.shape[0]
   cfg = config or heuristics(m, n, k, e, out_dtype)
   return mosaic_gpu.fp8_matmul(qa, sa, a_layout, w, sw, cfg, out_dtype,
-                               row_tiles=tiles.block_map(group_sizes, m, BLOCK_M))
+                               row_tiles=_row_tiles(group_sizes, m))
 
 
 def ragged_swiglu(qa: jax.Array, sa: jax.Array, a_layout: str, gate: jax.Array,
@@ -70,9 +72,17 @@ def ragged_swiglu(qa: jax.Array, sa: jax.Array, a_layout: str, gate: jax.Array,
   qa, sa = _gather(qa, sa, a_layout, rows)
   m = qa.shape[0]
   h = mosaic_gpu.fp8_matmul(qa, sa, a_layout, gate, gate_scale, config or swiglu_config(dtype),
-                            dtype, row_tiles=tiles.block_map(group_sizes, m, BLOCK_M),
+                            dtype, row_tiles=_row_tiles(group_sizes, m),
                             up=(up, up_scale), act=act)
   return group_quant(h, group_size=BLOCK, fmt=fmt, ue8m0=ue8m0, layout="row")
+
+
+def _row_tiles(group_sizes, m):
+  """The kernel's tiles, int32 `[4, tiles]`: each one's first loaded row (a multiple of 8),
+  expert, and the rows it stores, lo .. hi - 1 (at most 128 rows from the first loaded);
+  tiles past the last hold lo == hi."""
+  expert, start, first, end, _ = tiles.tile_map(group_sizes, m, BLOCK_M, ROW_TILE)
+  return jnp.stack([start, expert, first, jnp.minimum(end, start + BLOCK_M)])
 
 
 def _gather(qa, sa, a_layout, rows):

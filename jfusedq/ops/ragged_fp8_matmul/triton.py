@@ -211,7 +211,7 @@ def ragged_matmul(a: jax.Array, sa: jax.Array | None, a_layout: str, w: jax.Arra
   scaled = sw is not None
   bk = BLOCK_K if scaled else BF16_BLOCK_K
   bm, bn, splits = config.block_m, config.block_n, config.k_splits
-  expert, start, end, _ = tiles.tile_map(group_sizes, m, bm)
+  expert, start, _, end, _ = tiles.tile_map(group_sizes, m, bm)
   count = expert.shape[0]
   kb = -(-k // bk)
   out_shape = (jax.ShapeDtypeStruct((m, n), out_dtype) if splits == 1
@@ -259,7 +259,7 @@ def ragged_swiglu(a: jax.Array, sa: jax.Array | None, a_layout: str, wg: jax.Arr
   e, n, _ = wg.shape
   m = t if rows is None else rows.shape[0]
   bm = config.block_m
-  expert, start, end, _ = tiles.tile_map(group_sizes, m, bm)
+  expert, start, _, end, _ = tiles.tile_map(group_sizes, m, bm)
   count = expert.shape[0]
   kw = dict(grid=(count * -(-n // config.block_n),), num_warps=config.num_warps,
             num_stages=config.num_stages, MA=t, N=n, K=k, E=e, TILES=count, BLOCK_M=bm,

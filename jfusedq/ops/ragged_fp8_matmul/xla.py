@@ -36,7 +36,7 @@ def _tiled(x: jax.Array, expert_weight, e: int, n: int, group_sizes, rows,
     x = x[rows]
   m, k = x.shape
   bm = block_m(m, e)
-  expert, start, end, count = tiles.tile_map(group_sizes, m, bm)
+  expert, start, _, end, count = tiles.tile_map(group_sizes, m, bm)
   # Padded by a tile, so a slice at any start stays in bounds without XLA shifting it back.
   x = jnp.pad(x, ((0, bm), (0, 0)))
 
