@@ -20,7 +20,8 @@ def test_pages_are_current():
 
 
 # Results of a script's mode, named after the script and the mode.
-MODES = {"fp8_matmul_prefill": "fp8_matmul",  # fp8_matmul.py --prefill
+MODES = {"decode_moe_fused": "decode",  # --paths fused --tag moe_fused
+         "fp8_matmul_prefill": "fp8_matmul",  # fp8_matmul.py --prefill
          "fp8_matmul_sweep_mosaic_gpu": "fp8_matmul",  # --sweep --sweep-impl mosaic_gpu
          # --sweep --sweep-impl mosaic_gpu --sweep-vary pingpong --tag pingpong
          "fp8_matmul_sweep_mosaic_gpu_pingpong": "fp8_matmul",
@@ -29,7 +30,8 @@ MODES = {"fp8_matmul_prefill": "fp8_matmul",  # fp8_matmul.py --prefill
          "moe_gemm_mosaic": "moe_gemm",  # --impls triton mosaic_gpu --tag mosaic
          "moe_gemm_qwen_h100": "moe_gemm",  # --models qwen3.5 --tag qwen_h100
          "moe_gemm_swiglu_h100": "moe_gemm",  # --projs gate_up up --tiles ... --tag swiglu_h100
-         "prefill_h100": "prefill"}  # --tag h100
+         "prefill_h100": "prefill",  # --tag h100
+         "prefill_moe": "prefill"}  # --presets deepseek-v3-moe --paths fused --tag moe
 
 
 def test_one_file_per_benchmark():

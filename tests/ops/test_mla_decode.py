@@ -13,7 +13,7 @@ from jfusedq import _target, _triton, group_quant, mla_decode
 from jfusedq.errors import DTypeError, InputError
 from jfusedq.ops.mla_decode import reference
 from jfusedq.ops.mla_decode.api import KERNEL_SLOTS
-from jfusedq.ops.mla_decode.triton import Config
+from jfusedq.ops.mla_decode.triton import Config, heuristics
 from jfusedq.testing import rel_rms
 
 IMPLS = ("xla", TRITON)
@@ -129,3 +129,15 @@ def test_gpu_default_order_follows_the_cache_length(monkeypatch, slots):
   args = problem(("o", slots), 1, 1, 16, 128, 16, slots)
   mla_decode(*args, pos=slots - 1, scale=0.1)
   assert launched == (["mla_decode_kernel"] if slots >= KERNEL_SLOTS else [])
+
+
+@pytest.mark.parametrize("slots,pick", [
+    # The sweep's fastest at 128 heads, batch 1 (at 4096 slots within 1% of it;
+    # benchmarks/README.md).
+    (4096, Config(block_h=64, block_s=32, splits=64, num_warps=8, flat=True)),
+    (32768, Config(block_h=64, block_s=64, splits=66, num_warps=8, flat=True)),
+    (256, Config(block_h=32, block_s=32, splits=2, flat=True))])
+def test_heuristics_pick_the_measured_fastest(slots, pick):
+  assert heuristics(1, 128, slots, "NVIDIA H100 80GB HBM3") == pick
+  # 16 heads (DeepSeek-V3 under 8-way tensor parallelism) keep the 32-head tiling.
+  assert heuristics(1, 16, slots, "NVIDIA H100 80GB HBM3").block_h == 32

@@ -397,8 +397,9 @@ def test_mosaic_gpu_lowers(target, config):
 
 @pytest.mark.parametrize("m,experts,first", [
     (16384 * 8, 256, "mosaic_gpu"),  # DeepSeek-V3 at 16384 tokens: 512 rows an expert
-    (4096 * 8, 256, "triton"),  # 128 rows an expert, where Triton ran ahead
-    (4096 * 10, 512, "triton"), (512 * 8, 8, "mosaic_gpu"), (511 * 8, 8, "triton")])
+    (4096 * 10, 512, "mosaic_gpu"),  # Qwen3.5 at 4096 tokens: 80 rows an expert
+    (1024 * 8, 256, "triton"),  # 32 rows an expert: Triton's small tiles
+    (80 * 8, 8, "mosaic_gpu"), (79 * 8, 8, "triton")])
 def test_gpu_order(m, experts, first):
   """Mosaic GPU first from MOSAIC_MIN_ROWS rows an expert on average; Triton after it, and
   Mosaic GPU after Triton below (where `triton` is not installed)."""

@@ -30,6 +30,7 @@ from jfusedq.fp8 import BLOCK
 from jfusedq.ops import _common
 
 MIN_DOT = 16  # tl.dot's smallest M, N and K
+LONG_SLOTS = 4096  # the heuristics' 64-head tiling from here (measured at 4096 and 32768)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +56,19 @@ class Config:
 
 
 def heuristics(tokens: int, heads: int, slots: int, device_kind: str | None = None) -> Config:
-  """32 heads a program and 32 slots a step in 4 warps, the slots split until about two
-  programs an SM, at least 128 slots a split: the fastest of the sweep on an H100 at 128
-  heads, 256 and 32768 slots (benchmarks/README.md), where 16 heads a program in half the
-  splits took 1.35x as long at 32768 slots, and 8 warps 1.7-3x. The flat form: at 4096 slots
-  it ran ahead of the batched one at every tiling timed against it."""
+  """The flat form (at 4096 and 32768 slots it ran ahead of the batched one at every tiling
+  timed against it, an H100 at 128 heads; benchmarks/README.md).
+  From LONG_SLOTS slots and 64 heads: 64 heads a program in 8 warps (wgmma), about one program
+  an SM, at least 64 slots a split, 64 slots a step where a split holds 256 or more: the
+  fastest of that sweep at 32768 slots, 1.43x the 32-head pick's speed, and within 1% of the
+  fastest at 4096, 1.24x.
+  Below: 32 heads a program and 32 slots a step in 4 warps, about two programs an SM, at
+  least 128 slots a split: the fastest of the batched form's sweep at 256 slots."""
+  if heads >= 64 and slots >= LONG_SLOTS:
+    programs = tokens * -(-heads // 64)
+    n = max(1, min(-(-_target.sm_count(device_kind) // programs), -(-slots // 64)))
+    return Config(block_h=64, block_s=64 if slots >= 256 * n else 32, splits=n, num_warps=8,
+                  flat=True)
   return Config(block_h=32, splits=splits(tokens, heads, slots, 32, device_kind), flat=True)
 
 

@@ -19,11 +19,11 @@ from jfusedq.ops.ragged_fp8_matmul.reference import ACTIVATIONS
 
 # The GPU order, best first: Triton, then Mosaic GPU (Hopper; it runs where `triton` is not
 # installed), except from MOSAIC_MIN_ROWS sorted rows an expert on average, where Mosaic GPU's
-# wgmma tiles outrun Triton's despite computing whole 128-row blocks and the XLA row gather
-# before them: on an H100, 1.05-1.33x Triton's speed at 512 rows an expert, 0.87-0.99x at 80-128
-# (benchmarks/README.md).
+# wgmma tiles outrun Triton's despite the XLA row gather before them: on an H100, 0.99-1.13x
+# Triton's speed at 80 rows an expert, 1.07-1.39x at 128 to 512 (benchmarks/README.md); fewer
+# rows are untimed.
 IMPLEMENTATIONS = ("triton", "mosaic_gpu", "xla")
-MOSAIC_MIN_ROWS = 512
+MOSAIC_MIN_ROWS = 80
 declare("ragged_fp8_matmul", IMPLEMENTATIONS)
 declare("ragged_matmul", ("triton", "xla"))
 declare("ragged_swiglu", IMPLEMENTATIONS)
