@@ -4,7 +4,8 @@
 # none run. Everything lands in $OUT (tests.log, junit.xml, <benchmark>.json, <benchmark>.log).
 # Left out, as proved on CPU: lowering tests (abstract devices), tests/parallel and test_hlo
 # (meshes of simulated CPU devices), tests/models (they read the HF reference under build/,
-# too big to carry). TESTS=0 skips the tests; TEST_TIMEOUT and BENCH_TIMEOUT (each benchmark)
+# too big to carry). TESTS=0 skips the tests, TEST_K="expr" runs those pytest's -k selects
+# (e.g. TEST_K="ragged and mosaic"); TEST_TIMEOUT and BENCH_TIMEOUT (each benchmark)
 # bound the parts; BENCH_MEM_FRACTION (default 0.92) is the benchmarks' share of the GPU.
 # The model benchmarks (decode, prefill) need flax: `make gpu-wheels` here, and carry .whl.
 # Usage on the device: bash benchmarks/gpu_run.sh <commit-sha> [name[:flags] ...]
@@ -29,6 +30,7 @@ if [ "${TESTS:-1}" != 0 ]; then
   XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.7 / $workers, 3))") \
     timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n "$workers" -v -rf \
     -p no:cacheprovider -p no:benchmark -m "not lowering" --junitxml="$out/junit.xml" \
+    ${TEST_K:+-k "$TEST_K"} \
     tests/ops tests/nn tests/test_fp8.py tests/test_triton.py \
     2>&1 | tee "$out/tests.log" | grep -E "FAILED|ERROR|[0-9]+ (passed|failed)" | tail -30
 fi
