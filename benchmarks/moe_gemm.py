@@ -20,7 +20,9 @@ Implementations:
             `group_quant` in XLA
   --tiles BM,BN,WARPS,STAGES ...: the Triton kernel at each of these tilings besides (impl
             "triton BMxBN/WARPS/STAGES", no K split; gate_up takes BN = 128 only), to set
-            `triton.heuristics`
+            `triton.heuristics`; entries mosaic:BN,CHUNKS,STAGES[,BAND] the Mosaic GPU kernel,
+            persistent (impl "mosaic_gpu BN/CHUNKSc/STAGESs/bBAND"; gate_up takes BN = 128,
+            one chunk), to set `mosaic_gpu.heuristics`
 Routed FLOPs = 2 T k N K (twice that for gate_up); bytes = the distinct experts' fp8 weights
 and scales + activation in + bf16 out (gate_up: fp8 codes and scales out); roofline_frac =
 max(FLOPs / FP8 peak, bytes / copy bandwidth) / time, FP8 peak taken as twice XLA's bf16 dot
@@ -53,6 +55,7 @@ from jfusedq import (QuantizedActivation, default_format, group_quant,  # noqa: 
                      grouped_fp8_matmul, ragged_fp8_matmul, ragged_swiglu)
 from jfusedq.nn import quantize_weight  # noqa: E402
 from jfusedq.ops.fp8_matmul import Config, scale_layout  # noqa: E402
+from jfusedq.ops.fp8_matmul.mosaic_gpu import Config as MosaicConfig  # noqa: E402
 from jfusedq.ops.ragged_fp8_matmul.reference import swiglu  # noqa: E402
 from jfusedq.testing import rel_rms  # noqa: E402
 from models import cost  # noqa: E402
@@ -145,10 +148,10 @@ def hidden(impl, config=None):
   return run
 
 
-def product(config):
-  """`up` / `down` by the Triton ragged kernel at `config`."""
+def product(config, impl="triton"):
+  """`up` / `down` by the `impl` ragged kernel at `config`."""
   return lambda qa, qw, sw, sizes, rows, idx: ragged_fp8_matmul(
-      qa, qw, sw, sizes, rows=rows, config=config, implementation="triton")
+      qa, qw, sw, sizes, rows=rows, config=config, implementation=impl)
 
 
 def unfused(qa, qw, sw, sizes, rows, idx):
@@ -165,9 +168,18 @@ SWIGLU_IMPLS = {"default": hidden(None), "triton": hidden("triton"),
 
 
 def tiled(proj: str, tiles: list[str]) -> dict:
-  """{"triton BMxBN/WARPS/STAGES": op} for each --tiles entry `proj` can take."""
+  """{"triton BMxBN/WARPS/STAGES" or "mosaic_gpu BN/Cc/Ss/bB": op} for each --tiles entry
+  `proj` can take."""
   ops = {}
   for spec in tiles:
+    if spec.startswith("mosaic:"):
+      bn, chunks, stages, band = (list(map(int, spec[len("mosaic:"):].split(","))) + [16])[:4]
+      if proj == "gate_up" and (bn != 128 or chunks != 1):
+        continue
+      cfg = MosaicConfig(bn, stages=stages, persistent=True, chunks=chunks, band=band)
+      ops[f"mosaic_gpu {bn}/{chunks}c/{stages}s/b{band}"] = (
+          hidden("mosaic_gpu", cfg) if proj == "gate_up" else product(cfg, "mosaic_gpu"))
+      continue
     bm, bn, warps, stages = map(int, spec.split(","))
     if proj == "gate_up" and bn != 128:
       continue
@@ -197,7 +209,8 @@ def main():
   ap.add_argument("--impls", nargs="+", default=list(IMPLS) + ["unfused"],
                   choices=sorted(set(IMPLS) | set(SWIGLU_IMPLS)))
   ap.add_argument("--tiles", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES",
-                  help="Triton tilings timed besides the heuristic's")
+                  help="Triton (and mosaic:BN,CHUNKS,STAGES[,BAND] Mosaic GPU) tilings timed "
+                  "besides the heuristic's")
   ap.add_argument("--xla-max", type=int, default=1024, help="time the XLA path up to T tokens")
   ap.add_argument("--calls", type=int, default=3, help="distinct input sets per timed jit")
   ap.add_argument("--tag", default="", help="results file moe_gemm_<tag>.json")
@@ -235,7 +248,7 @@ def main():
           case = dict(model=model, proj=proj, T=t, E=e, topk=topk, N=n, K=k, routing=routing,
                       experts_touched=unique)
           ops = dict(ops, **tiled(proj, args.tiles))
-          for impl in impls + [i for i in ops if i.startswith("triton ")]:
+          for impl in impls + [i for i in ops if i.startswith(("triton ", "mosaic_gpu "))]:
             if (impl not in ops or impl == "xla" and t > args.xla_max
                 or impl == "gathered" and t > 64):
               continue

@@ -170,6 +170,19 @@ def test_sweep_vary_keeps_the_pick_and_one_field():
   assert len(bench.sweep_configs("mosaic_gpu", m, n, k)) > len(got)
 
 
+def test_moe_gemm_tiles_name_both_kernels():
+  """--tiles: Triton entries and mosaic: entries (BAND defaulting to 16); gate_up takes only
+  the tilings its paired kernels build (128 columns; one chunk for Mosaic GPU)."""
+  sys.path.insert(0, str(BENCHMARKS))
+  import moe_gemm as bench
+  tiles = ["mosaic:256,2,3", "mosaic:128,1,4,8", "64,64,4,4", "128,128,8,3"]
+  assert list(bench.tiled("up", tiles)) == [
+      "mosaic_gpu 256/2c/3s/b16", "mosaic_gpu 128/1c/4s/b8", "triton 64x64/4/4",
+      "triton 128x128/8/3"]
+  assert list(bench.tiled("gate_up", tiles)) == ["mosaic_gpu 128/1c/4s/b8",
+                                                 "triton 128x128/8/3"]
+
+
 def test_expected_ranges_hold_what_the_script_measures():
   """`jfusedq run`'s expected numerics ranges (models.run.EXPECTED) contain what
   benchmarks/expected_ranges.py measures, on the first seeds it measured them over."""
