@@ -284,6 +284,20 @@ def test_tile_map_covers_every_row_once(align):
                              if s)
 
 
+@pytest.mark.parametrize("align", [1, 8])
+def test_row_slots_point_into_the_owning_tile(align):
+  for seed in range(20):
+    r = rng("slots", align, seed)
+    e, m = int(r.integers(1, 9)), int(r.integers(1, 300))
+    bm = int(2 ** r.integers(3, 7))
+    sizes = jnp.asarray(np.bincount(r.integers(0, e, int(r.integers(0, m + 1))), minlength=e))
+    expert, start, first, end, _ = map(np.asarray, tiles.tile_map(sizes, m, bm, align))
+    slots = np.asarray(tiles.row_slots(sizes, m, bm, align))
+    for t, (s, f, en) in enumerate(zip(start, first, end)):
+      own = np.arange(f, min(en, s + bm))
+      np.testing.assert_array_equal(slots[own], t * bm + own - s)
+
+
 # The interpreter runs the kernel's schedule as the GPU does; four SMs make every persistent
 # CTA walk a ragged count of tiles. Shapes the kernel builds (K % 128, N % block_n): T = 1;
 # blocks shared by several experts with empty ones between; all rows on one expert; rows past

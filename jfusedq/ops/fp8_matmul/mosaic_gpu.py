@@ -53,8 +53,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jfusedq import _target
 from jfusedq.errors import InputError
-from jfusedq.fp8 import BLOCK, E4M3FN
+from jfusedq.fp8 import BLOCK, E4M3FN, Fp8Format
 from jfusedq.ops._dispatch import Unsupported
+from jfusedq.ops.group_quant.pallas import quantize_rows
 
 BLOCK_K = BLOCK
 BLOCK_M = 128  # two compute warpgroups of 64 rows (wgmma's M)
@@ -206,8 +207,8 @@ def check(qa: jax.Array, n: int, k: int) -> None:
 
 def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: jax.Array,
                config: Config | None, out_dtype, *, row_tiles: jax.Array | None = None,
-               up: tuple[jax.Array, jax.Array] | None = None, act: str = "silu_mul"
-               ) -> jax.Array:
+               up: tuple[jax.Array, jax.Array] | None = None, act: str = "silu_mul",
+               quant: tuple[Fp8Format, bool] | None = None) -> jax.Array | tuple[jax.Array, ...]:
   """qa [M, K] fp8, sa [M, KB] ("row") or [KB, M] ("col"), qw [N, K], sw [NB, KB] -> [M, N].
 
   Ragged (MoE experts over rows sorted by expert), with `row_tiles` (int32 [4, tiles]: start,
@@ -223,7 +224,14 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   gate, and the output is the experts' activation of the two products,
   `ragged_fp8_matmul.reference.swiglu(a @ qw^T, a @ up^T, act, out_dtype)`: each activation
   block is loaded once for both, the two sums take a 256-wide tile's registers (the chunks one
-  after another), and the activation runs on them in the epilogue."""
+  after another), and the activation runs on them in the epilogue.
+
+  With `quant` ((fmt, ue8m0); with `up` and `row_tiles`): the activation, rounded to
+  out_dtype, is quantised in the epilogue as `group_quant` quantises it, the tile's 128 columns
+  one group a row. Returns (codes [M, N] in fmt, slot scales [N / 128, tiles * 128] f32): the
+  scale of tile t's i-th loaded row (start[t] + i) at slot t * 128 + i, each tile writing all
+  of its 128 slots (whole boxes: a store of fewer than four f32 is no TMA box), the rows' own
+  slots picked after (`ragged_fp8_matmul.tiles.row_slots`)."""
   m, k = qa.shape
   n = qw.shape[-2]
   check(qa, n, k)
@@ -234,6 +242,8 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
                      f"one expert) and splits=1")
   if up is not None and (cfg.block_n != BLOCK or cfg.chunks != 1 or cfg.splits > 1):
     raise InputError(f"{cfg}: the gate and up pair needs block_n={BLOCK}, chunks=1, splits=1")
+  if quant is not None and (up is None or not ragged or quant[0].dtype != E4M3FN):
+    raise InputError("quant takes the ragged gate and up pair, quantised to float8_e4m3fn")
   nw = 1 if up is None else 2  # weights a tile reads
   if smem_bytes(cfg, out_dtype, nw) > _target.HOPPER_SMEM_BYTES:
     raise InputError(f"{cfg} with a {jnp.dtype(out_dtype).name} output needs "
@@ -244,6 +254,8 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
     raise InputError(f"{cfg} splits K = {k} ({kb} blocks of {BLOCK_K}) into unequal parts")
   kp = kb // cfg.splits  # K blocks per CTA
   staged = jnp.float32 if cfg.splits > 1 else out_dtype
+  if quant is not None:
+    staged = quant[0].dtype
   cw = bn // cfg.chunks
   # A warpgroup's accumulator chunks: (weight, its column chunk).
   parts = [(w, c) for w in range(nw) for c in range(cfg.chunks)]
@@ -291,9 +303,12 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
         plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(turn)
 
-  def tile(ti, ni, refs, o_smem, turn, allocations=None, ks=0):
+  outs = 1 if quant is None else 2  # the output, or the codes and the slot scales
+
+  def tile(ti, ni, refs, o_smem, turn, allocations=None, ks=0, s_smem=None):
     a_gmem, sa_gmem, *refs = refs
-    w_gmems, sw_gmems, tiles_gmem, o_gmem = refs[:nw], refs[nw:2 * nw], refs[2 * nw:-1], refs[-1]
+    w_gmems, sw_gmems = refs[:nw], refs[nw:2 * nw]
+    tiles_gmem, (o_gmem, *s_gmem) = refs[2 * nw:-outs], refs[-outs:]
     if ragged:
       row0, expert, lo, hi = (tiles_gmem[0][j, ti] for j in range(4))
       row0 = r0 = pl.multiple_of(row0, ROW_TILE)
@@ -369,11 +384,19 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
       acc = run((zero,) * len(parts))
       if up is not None:  # the gate's chunks, then the up's
         acc = [swiglu(g, u, act, out_dtype) for g, u in zip(acc[:cfg.chunks], acc[cfg.chunks:])]
+      if quant is not None:
+        acc, scale = quantize_rows(acc[0].astype(out_dtype).astype(jnp.float32), *quant)
+        acc = [acc]
       if cfg.persistent:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read o_smem
       for c, part in enumerate(acc):
         o_smem[wg, c] = part.astype(staged)
+      if quant is not None:
+        s_smem[wg] = scale
       plgpu.commit_smem()
+      if quant is not None:
+        plgpu.copy_smem_to_gmem(s_smem.at[wg],
+                                s_gmem[0].at[ni, pl.ds(ti * BLOCK_M + wg * WG_M, WG_M)])
       dst = o_gmem.at[ks] if cfg.splits > 1 else o_gmem
       wg_row0 = row0 + wg * WG_M
 
@@ -407,11 +430,12 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
     # buffer left JAX 0.12's layout inference searching without end.
     out_smem = plgpu.SMEM((2, cfg.chunks, WG_M, cw), staged)
     turn = plgpu.Barrier(num_arrivals=2) if cfg.pingpong else None
+    scale_smem = plgpu.SMEM((2, WG_M), jnp.float32) if quant is not None else None
     if not cfg.persistent:
-      pl.run_scoped(lambda o_smem, turn: tile(lax.axis_index("m"), lax.axis_index("n"), refs,
-                                              o_smem, turn,
-                                              ks=lax.axis_index("k") if cfg.splits > 1 else 0),
-                    out_smem, turn, collective_axes="wg")
+      pl.run_scoped(lambda o_smem, turn, s_smem: tile(
+          lax.axis_index("m"), lax.axis_index("n"), refs, o_smem, turn,
+          ks=lax.axis_index("k") if cfg.splits > 1 else 0, s_smem=s_smem),
+          out_smem, turn, scale_smem, collective_axes="wg")
     else:
       # The pipeline's buffers outlive the tiles: the memory warpgroup starts copying the next
       # tile's blocks while the compute warpgroups store the last one.
@@ -419,15 +443,15 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
       allocs = pipeline(None, None, 0, 0).get_allocations(a_gmem, *operands[:nw], sa_gmem,
                                                           *operands[nw:2 * nw])
 
-      def scope(allocations, o_smem, turn):
+      def scope(allocations, o_smem, turn, s_smem):
         @plgpu.nd_loop((mt * nt,), collective_axes="c")
         def _(info):
           (t,) = info.index
-          tile(*tile_order(t, mt, nt, cfg.band), refs, o_smem, turn, allocations)
+          tile(*tile_order(t, mt, nt, cfg.band), refs, o_smem, turn, allocations, s_smem=s_smem)
 
         plgpu.wait_smem_to_gmem(0)
 
-      pl.run_scoped(scope, allocs, out_smem, turn, collective_axes="wg")
+      pl.run_scoped(scope, allocs, out_smem, turn, scale_smem, collective_axes="wg")
 
   if cfg.persistent:
     grid, names = (min(mt * nt, _target.sm_count()),), ("c",)
@@ -435,11 +459,17 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
     grid, names = ((mt, nt, cfg.splits), ("m", "n", "k")) if cfg.splits > 1 else ((mt, nt),
                                                                                  ("m", "n"))
   out_shape = (cfg.splits, mp, n) if cfg.splits > 1 else (mp, n)
+  out_type = jax.ShapeDtypeStruct(out_shape, staged)
+  if quant is not None:
+    out_type = (out_type, jax.ShapeDtypeStruct((n // BLOCK, mt * BLOCK_M), jnp.float32))
   out = plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct(out_shape, staged), grid=grid, grid_names=names,
+      kernel, out_type=out_type, grid=grid, grid_names=names,
       num_threads=3, thread_name="wg",
       interpret=plgpu.InterpretGPUParams() if _target.interpret() else False,
   )(qa, sa_col, *ws, *sws, *([row_tiles] if ragged else []))
+  if quant is not None:
+    codes, slots = out
+    return (codes[:m] if mp != m else codes), slots
   if cfg.splits > 1:
     out = out.sum(0).astype(out_dtype)
   return out[:m] if mp != m else out

@@ -123,6 +123,17 @@ def _encode(y, scale, fmt: Fp8Format):
   return encode_e4m3fnuz(q) if fmt.dtype == E4M3FNUZ else q.astype(fmt.dtype)
 
 
+def quantize_rows(y: jax.Array, fmt: Fp8Format, ue8m0: bool) -> tuple[jax.Array, jax.Array]:
+  """One group a row: f32 `y [R, G]` -> (codes `[R, G]`, scales `[R]`), for a kernel tile
+  that holds each row's whole group (the Mosaic GPU paired product's epilogue; not fnuz).
+
+  `_encode`'s codes without its clamp and select, which change nothing here: a finite
+  group's y / scale stays within half a code of fp8_max (the scale is amax / fp8_max to f32
+  rounding, or above it), and a NaN scale makes its group's codes NaN by itself."""
+  s = _scale(_amax(y, 1), fmt, ue8m0)
+  return (y * (1.0 / s)[:, None]).astype(fmt.dtype), s
+
+
 def quantize_chunks(ys: list[jax.Array], fmt: Fp8Format, group_size: int, ue8m0: bool):
   """f32 chunks `[rows, C]` of one row block -> (code chunks, [(first group, scales [rows, n])]).
 

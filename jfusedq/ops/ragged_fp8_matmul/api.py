@@ -143,9 +143,9 @@ def ragged_swiglu(a: jax.Array | QuantizedActivation, gate: jax.Array,
     group_sizes, rows: as `ragged_fp8_matmul`.
     act: "silu_mul" or "silu_round_mul". dtype: the products' and the hidden's rounding.
     ue8m0: power-of-two scales for both quantisations (of `a` if bf16, and of the hidden).
-    implementation: "triton", "mosaic_gpu" (Hopper, FP8 weights: both products and the
-      activation in one kernel, the hidden through memory in dtype to `group_quant`), "xla", a
-      sequence tried in order, or None (`gpu_order(M, E)` on a GPU, XLA elsewhere).
+    implementation: "triton", "mosaic_gpu" (Hopper, FP8 weights: the same in one kernel,
+      `rows` gathered by XLA first), "xla", a sequence tried in order, or None
+      (`gpu_order(M, E)` on a GPU, XLA elsewhere).
     config: the tiling: `pallas.Config` for Triton, with no K split, and block_n 128 for FP8
       weights (the epilogue quantises whole 128-column groups; default
       `triton.swiglu_config`); or `mosaic_gpu.Config` with block_n 128 and one chunk (default

@@ -10,8 +10,9 @@ own tiles only, where aligned 128-row blocks would compute a block straddling g 
 times.
 
 `ragged_swiglu` runs the kernel's gate and up pair: both products of each activation block,
-the activation on the two sums in the epilogue, the hidden stored in its dtype and quantised
-by `group_quant` after.
+the activation on the two sums in the epilogue and its quantisation there (the tile's 128
+columns are each row's whole group), the codes stored and each tile's 128 row scales written
+whole, then gathered per row.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from jfusedq.fp8 import BLOCK, Fp8Format, QuantizedActivation
 from jfusedq.ops.fp8_matmul import mosaic_gpu
 from jfusedq import _target
 from jfusedq.ops.fp8_matmul.mosaic_gpu import BLOCK_M, ROW_TILE, Config, check, smem_bytes
-from jfusedq.ops.group_quant.api import group_quant
 from jfusedq.ops.ragged_fp8_matmul import tiles
 
 __all__ = ["Config", "check", "heuristics", "ragged_matmul", "ragged_swiglu", "swiglu_config"]
@@ -71,10 +71,11 @@ def ragged_swiglu(qa: jax.Array, sa: jax.Array, a_layout: str, gate: jax.Array,
   check(qa, gate.shape[1], gate.shape[2])
   qa, sa = _gather(qa, sa, a_layout, rows)
   m = qa.shape[0]
-  h = mosaic_gpu.fp8_matmul(qa, sa, a_layout, gate, gate_scale, config or swiglu_config(dtype),
-                            dtype, row_tiles=_row_tiles(group_sizes, m),
-                            up=(up, up_scale), act=act)
-  return group_quant(h, group_size=BLOCK, fmt=fmt, ue8m0=ue8m0, layout="row")
+  codes, slots = mosaic_gpu.fp8_matmul(
+      qa, sa, a_layout, gate, gate_scale, config or swiglu_config(dtype), dtype,
+      row_tiles=_row_tiles(group_sizes, m), up=(up, up_scale), act=act, quant=(fmt, ue8m0))
+  scale = slots[:, tiles.row_slots(group_sizes, m, BLOCK_M, ROW_TILE)].T
+  return QuantizedActivation(codes, scale, group_size=BLOCK)
 
 
 def _row_tiles(group_sizes, m):

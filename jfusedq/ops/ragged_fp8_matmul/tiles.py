@@ -47,6 +47,21 @@ def tile_map(group_sizes: jax.Array, m: int, block_m: int,
           tile_end[e - 1])
 
 
+def row_slots(group_sizes: jax.Array, m: int, block_m: int, align: int = 1) -> jax.Array:
+  """Each row's slot `[m]` int32 among `tile_map`'s tiles' loaded rows: tile t's row start[t] +
+  i is slot t * block_m + i, and row r's slot is its owning tile's (a kernel writing per-tile
+  results whole, read back per row)."""
+  e = group_sizes.shape[0]
+  starts, ends = _runs(group_sizes, m)
+  base = starts - starts % align
+  tiles = jnp.where(ends > starts, (ends - base + block_m - 1) // block_m, 0)
+  first = _inclusive(tiles) - tiles
+  r = jnp.arange(m, dtype=jnp.int32)
+  g = jnp.minimum(jnp.sum(ends[None, :] <= r[:, None], axis=1, dtype=jnp.int32), e)
+  off = r - base[g]
+  return (first[g] + off // block_m) * block_m + off % block_m
+
+
 # Prefix sums and the search as compare-and-reduce over small [E, E] / [tiles, E] blocks: a few
 # fused kernels, where cumsum and searchsorted lowered to reduce-windows and a while loop of ~40
 # kernels on the GPU (40 us at decode, longer than the product).
