@@ -11,8 +11,9 @@ quantised, their scales in the layout the norm hands over for their row count.
 Implementations:
   default   `ragged_fp8_matmul` / `ragged_swiglu` as a user calls it (Triton on a GPU)
   triton    the same, named
-  mosaic_gpu  the Mosaic GPU kernel (Hopper; `up` gathers its rows in XLA first; `gate_up`
-            its gate and up pair with the activation, then `group_quant`)
+  mosaic_gpu  the Mosaic GPU kernel (Hopper; `up` and `gate_up` gather their rows in XLA first;
+            `gate_up` its gate and up pair, the activation and its quantisation in the
+            epilogue)
   xla       the XLA loop over filled row tiles (timed up to --xla-max tokens; the reference
             every row is checked against at every size)
   gathered  `grouped_fp8_matmul` with a product per pair (the decode path, up to 64 tokens)
