@@ -281,7 +281,8 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   # A ragged tile's rows start at any multiple of ROW_TILE: its rows are indexed by element.
   rows_dim = pl.Element(BLOCK_M) if ragged else BLOCK_M
 
-  def pipeline(step, context, r0, ni, b0=0, expert=0):  # r0: the tile's first row (block)
+  # r0: the tile's first row (ragged) or row block; b0: the CTA's first K block.
+  def pipeline(step, context, r0, ni, b0=0, expert=0):
     w_spec = plgpu.BlockSpec((bn, BLOCK_K), lambda b: (expert * nt + ni, b0 + b),
                              transforms=_TRANSFORMS)
     # Element offset: the tile's first weight block, whatever the tile's width.

@@ -56,8 +56,8 @@ class Config:
 
 
 def heuristics(tokens: int, heads: int, slots: int, device_kind: str | None = None) -> Config:
-  """The flat form (at 4096 and 32768 slots it ran ahead of the batched one at every tiling
-  timed against it, an H100 at 128 heads; benchmarks/README.md).
+  """The flat form (on an H100 at 128 heads it ran ahead of the batched one at every tiling
+  timed against it at 4096 slots and at five of six at 32768; benchmarks/README.md).
   From LONG_SLOTS slots and 64 heads: 64 heads a program in 8 warps (wgmma), about one program
   an SM, at least 64 slots a split, 64 slots a step where a split holds 256 or more: the
   fastest of that sweep at 32768 slots, 1.43x the 32-head pick's speed, and within 1% of the
