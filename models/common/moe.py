@@ -11,8 +11,9 @@ Two formulations, picked at trace time by shape:
             place (`grouped_fp8_matmul`); a step reads only the chosen experts' weights.
   sorted    (otherwise, and always in bf16) the M * k pairs sorted by expert (a stable argsort:
             ties keep token order), `group_sizes` counted by expert; gate, up and `act` in one
-            kernel (`ragged_swiglu`: each pair's token row read in place, and in FP8 the
-            hidden quantised there too), the down product on the sorted hidden rows, then
+            kernel (`ragged_swiglu`: each pair's token row read in place, or on Mosaic GPU
+            gathered first; in FP8 the hidden quantised there too), the down product on the
+            sorted hidden rows, then
             the rows back in pair order and mixed by w. Expert weights are read in place (no
             gathered copy) and no expert computes a token it was not picked for.
 Expert ids outside [0, E) count for no group: their pairs give zero rows, never another expert's
