@@ -13,9 +13,9 @@ Two formulations, picked at trace time by shape:
             ties keep token order), `group_sizes` counted by expert; gate, up and `act` in one
             kernel (`ragged_swiglu`: each pair's token row read in place, or on Mosaic GPU
             gathered first; in FP8 the hidden quantised there too), the down product on the
-            sorted hidden rows, then
-            the rows back in pair order and mixed by w. Expert weights are read in place (no
-            gathered copy) and no expert computes a token it was not picked for.
+            sorted hidden rows, then the rows back in pair order and mixed by w. Expert
+            weights are read in place (no gathered copy) and no expert computes a token it
+            was not picked for.
 Expert ids outside [0, E) count for no group: their pairs give zero rows, never another expert's
 output.
 """
