@@ -10,7 +10,8 @@ names the attention backends the process had run by then (from the "jfusedq" log
 
 time_ms: the profiler's kernel time of one prefill on a GPU; elsewhere the wall time (the median
 of --reps after a warm-up, as on CPU there is no kernel trace). tokens_per_s = batch * tokens /
-time. compile_s: the prefill's compile.
+time. compile_s: the prefill's compile. top_kernels (GPU): the twelve kernels taking the most
+of time_ms, {name: us}: where a prefill's time goes.
 
 roofline_frac = the prefill's floor / time (`models.cost`: projection FLOPs, the LM head once a
 sequence, at the FP8 peak + attention FLOPs at the bf16 peak): one floor per case whatever the
@@ -154,11 +155,13 @@ def time_prefill(model, tokens, chunk, reps: int) -> dict:
     out, holder[0] = compiled(params, tokens, holder[0])
     return out
 
-  kernel_s = (runner.device_seconds(traced) if jax.devices()[0].platform == "gpu" else None)
+  kernel_s, top = (runner.kernel_profile(traced) if jax.devices()[0].platform == "gpu"
+                   else (None, {}))
   del cache, holder
   return dict(sec=kernel_s or statistics.median(walls), wall_s=statistics.median(walls),
-              kernel_s=kernel_s, compile_s=compile_s, peak_bytes=mem.peak_memory_in_bytes,
-              temp_bytes=mem.temp_size_in_bytes, logits=np.asarray(out, np.float32))
+              kernel_s=kernel_s, top_kernels=top or None, compile_s=compile_s,
+              peak_bytes=mem.peak_memory_in_bytes, temp_bytes=mem.temp_size_in_bytes,
+              logits=np.asarray(out, np.float32))
 
 
 def main():
@@ -240,6 +243,7 @@ def main():
               projection_flops=proj, attention_flops=attn,
               wall_ms=round(r["wall_s"] * 1e3, 3),
               kernel_ms=r["kernel_s"] and round(r["kernel_s"] * 1e3, 3),
+              top_kernels=r["top_kernels"],
               compile_s=round(r["compile_s"], 2)))
           print(f"{preset:>18} {args.batch:>2} {t:>6} {chunk:>6} {path:>8} "
                 f"{r['sec'] * 1e3:10.2f} {args.batch * t / r['sec']:10.1f} "

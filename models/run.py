@@ -354,10 +354,22 @@ def gpu_kernels(data) -> list[list[tuple[int, int, str]]]:
 def device_seconds(fn: Callable[[], object]) -> float | None:
   """GPU kernel seconds of `fn()` from a profiler trace (summed over streams, averaged over the
   GPUs that ran something), or None where the trace has no GPU (CPU)."""
+  return kernel_profile(fn)[0]
+
+
+def kernel_profile(fn: Callable[[], object], top: int = 12) -> tuple[float | None, dict]:
+  """`device_seconds(fn)` and the `top` kernels taking the most of it, {name: us} (averaged
+  over the GPUs as it is; {} on CPU)."""
   gpus = gpu_kernels(profile(fn))
   if not gpus:
-    return None
-  return sum(end - start for spans in gpus for start, end, _ in spans) * 1e-9 / len(gpus)
+    return None, {}
+  by_name: dict[str, float] = {}
+  for spans in gpus:
+    for start, end, name in spans:
+      by_name[name[:80]] = by_name.get(name[:80], 0.0) + end - start
+  most = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+  return (sum(by_name.values()) * 1e-9 / len(gpus),
+          {k: round(v * 1e-3 / len(gpus), 3) for k, v in most})
 
 
 def wall(fn, *args, reps: int = 7) -> float:

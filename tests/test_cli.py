@@ -552,6 +552,16 @@ def test_library_input_errors_are_one_line(monkeypatch, capsys):
 def test_device_time_needs_a_gpu_trace():
   """The profiler's kernel time per step comes from GPU planes only; a CPU trace has none."""
   assert runner.device_seconds(lambda: jnp.ones(8) * 2) is None
+  assert runner.kernel_profile(lambda: jnp.ones(8) * 2) == (None, {})
+
+
+def test_kernel_profile_sums_by_name_per_gpu(monkeypatch):
+  """Kernel time summed over streams and averaged over the GPUs; the top kernels by name."""
+  spans = [[(0, 3000, "a"), (3000, 4000, "b"), (5000, 8000, "a")], [(0, 2000, "a")]]
+  monkeypatch.setattr(runner, "profile", lambda fn: fn())
+  monkeypatch.setattr(runner, "gpu_kernels", lambda data: data)
+  sec, top = runner.kernel_profile(lambda: spans, top=1)
+  assert sec == pytest.approx(9000e-9 / 2) and top == {"a": 4.0}
 
 
 def _gguf(tmp_path, arch: str = "llama") -> str:
