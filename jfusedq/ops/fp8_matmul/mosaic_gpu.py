@@ -125,13 +125,14 @@ class Config:
 SPLIT_MIN_K = 2048  # K in parts only beyond it (a short K runs persistent, measured faster)
 
 
-def smem_bytes(cfg: Config, out_dtype, weights: int = 1) -> int:
+def smem_bytes(cfg: Config, out_dtype, weights: int = 1, row_scales: bool = False) -> int:
   """Shared memory of a CTA: the pipeline's stages (activation and `weights` weight blocks,
-  their scales) and the two compute warpgroups' output staging, with 1 KiB for the
-  barriers."""
+  their scales) and the two compute warpgroups' output staging (in out_dtype: the codes where
+  the epilogue quantises, with their `row_scales`), with 1 KiB for the barriers."""
   stage = (BLOCK_M + weights * cfg.block_n) * BLOCK_K + 4 * (BLOCK_M + weights * 2 * SW_BOX)
   staged = jnp.dtype(jnp.float32 if cfg.splits > 1 else out_dtype).itemsize
-  return cfg.stages * stage + 2 * WG_M * cfg.block_n * staged + 1024
+  return (cfg.stages * stage + 2 * WG_M * cfg.block_n * staged + 2 * WG_M * 4 * row_scales
+          + 1024)
 
 
 def heuristics(m: int, n: int, k: int, out_dtype=jnp.bfloat16) -> Config:
@@ -245,17 +246,17 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   if quant is not None and (up is None or not ragged or quant[0].dtype != E4M3FN):
     raise InputError("quant takes the ragged gate and up pair, quantised to float8_e4m3fn")
   nw = 1 if up is None else 2  # weights a tile reads
-  if smem_bytes(cfg, out_dtype, nw) > _target.HOPPER_SMEM_BYTES:
-    raise InputError(f"{cfg} with a {jnp.dtype(out_dtype).name} output needs "
-                      f"{smem_bytes(cfg, out_dtype, nw)} bytes of shared memory, over Hopper's "
-                      f"{_target.HOPPER_SMEM_BYTES}: fewer stages or a narrower tile")
+  stage_dtype = out_dtype if quant is None else quant[0].dtype  # what the epilogue stages
+  need = smem_bytes(cfg, stage_dtype, nw, row_scales=quant is not None)
+  if need > _target.HOPPER_SMEM_BYTES:
+    raise InputError(f"{cfg} with a {jnp.dtype(stage_dtype).name} output needs {need} bytes of "
+                     f"shared memory, over Hopper's {_target.HOPPER_SMEM_BYTES}: fewer stages "
+                     f"or a narrower tile")
   bn, kb = cfg.block_n, k // BLOCK_K
   if kb % cfg.splits:
     raise InputError(f"{cfg} splits K = {k} ({kb} blocks of {BLOCK_K}) into unequal parts")
   kp = kb // cfg.splits  # K blocks per CTA
-  staged = jnp.float32 if cfg.splits > 1 else out_dtype
-  if quant is not None:
-    staged = quant[0].dtype
+  staged = jnp.float32 if cfg.splits > 1 else stage_dtype
   cw = bn // cfg.chunks
   # A warpgroup's accumulator chunks: (weight, its column chunk).
   parts = [(w, c) for w in range(nw) for c in range(cfg.chunks)]
