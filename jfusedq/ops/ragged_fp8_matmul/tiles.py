@@ -36,9 +36,7 @@ def tile_map(group_sizes: jax.Array, m: int, block_m: int,
   sizes are clipped at 0, and rows past `m` dropped, so any traced sizes give in-bounds tiles.
   """
   e = group_sizes.shape[0]
-  starts, ends = _runs(group_sizes, m)
-  base = starts - starts % align
-  tiles = jnp.where(ends > starts, (ends - base + block_m - 1) // block_m, 0)
+  starts, ends, base, tiles = _cut(group_sizes, m, block_m, align)
   t, g, first, live, tile_end = _search(tiles, max_tiles(m, e, block_m, align))
   start = base[g] + (t - first) * block_m
   m_aligned = m - m % align
@@ -52,9 +50,7 @@ def row_slots(group_sizes: jax.Array, m: int, block_m: int, align: int = 1) -> j
   i is slot t * block_m + i, and row r's slot is its owning tile's (a kernel writing per-tile
   results whole, read back per row)."""
   e = group_sizes.shape[0]
-  starts, ends = _runs(group_sizes, m)
-  base = starts - starts % align
-  tiles = jnp.where(ends > starts, (ends - base + block_m - 1) // block_m, 0)
+  _, ends, base, tiles = _cut(group_sizes, m, block_m, align)
   first = _inclusive(tiles) - tiles
   r = jnp.arange(m, dtype=jnp.int32)
   g = jnp.minimum(jnp.sum(ends[None, :] <= r[:, None], axis=1, dtype=jnp.int32), e)
@@ -77,6 +73,14 @@ def _runs(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
   ends = jnp.minimum(_inclusive(jnp.maximum(group_sizes.astype(i32), 0)), m)
   ends = jnp.concatenate([ends, jnp.full((1,), m, i32)])
   return jnp.concatenate([jnp.zeros((1,), i32), ends[:-1]]), ends
+
+
+def _cut(group_sizes: jax.Array, m: int, block_m: int, align: int) -> tuple[jax.Array, ...]:
+  """The runs' (starts, ends) `[E + 1]`, the rows their tiles start from (starts rounded down
+  to `align`) and their tile counts (0 for an empty run)."""
+  starts, ends = _runs(group_sizes, m)
+  base = starts - starts % align
+  return starts, ends, base, jnp.where(ends > starts, (ends - base + block_m - 1) // block_m, 0)
 
 
 def _search(counts: jax.Array, total: int) -> tuple[jax.Array, ...]:
