@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import jax
 
-from models.run import chain_seconds, gpu_kernels, profile
+from models.run import chain_seconds, gpu_kernels, profile, top_kernels
 
 
 def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: bool = True,
@@ -87,19 +87,16 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
   # Only GPUs that ran something (gpu_kernels): a one-GPU program on a two-GPU host halved its
   # times.
   per_gpu = gpu_kernels(data)
-  total_ns, count, gpus, by_name, idle_ns, gaps = 0.0, 0, len(per_gpu), {}, 0.0, {}
+  total_ns, count, gpus, idle_ns, gaps = 0.0, 0, len(per_gpu), 0.0, {}
   for spans in per_gpu:
-    for start, end, name in spans:
-      total_ns += end - start
-      by_name[name] = by_name.get(name, 0.0) + end - start
+    total_ns += sum(end - start for start, end, _ in spans)
     count += len(spans)
     for key, ns in idle_gaps(spans).items():
       idle_ns += ns
       gaps[key] = gaps.get(key, 0.0) + ns
   if count:
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     result.update(kernel_s=total_ns * 1e-9 / n / gpus, kernels_per_call=count / n / gpus,
-                  top_kernels={k[:80]: round(v * 1e-3 / n / gpus, 3) for k, v in top},
+                  top_kernels=top_kernels(per_gpu, n),
                   idle_us=round(idle_ns * 1e-3 / n / gpus, 3),
                   top_gaps={k: round(v * 1e-3 / n / gpus, 3)
                             for k, v in sorted(gaps.items(), key=lambda kv: -kv[1])[:8]})

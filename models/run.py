@@ -358,18 +358,25 @@ def device_seconds(fn: Callable[[], object]) -> float | None:
 
 
 def kernel_profile(fn: Callable[[], object], top: int = 12) -> tuple[float | None, dict]:
-  """`device_seconds(fn)` and the `top` kernels taking the most of it, {name: us} (averaged
-  over the GPUs as it is; {} on CPU)."""
+  """`device_seconds(fn)` and the `top` kernels taking the most of it (`top_kernels`; {} on
+  CPU)."""
   gpus = gpu_kernels(profile(fn))
   if not gpus:
     return None, {}
+  total_ns = sum(end - start for spans in gpus for start, end, _ in spans)
+  return total_ns * 1e-9 / len(gpus), top_kernels(gpus, top=top)
+
+
+def top_kernels(per_gpu: list[list[tuple[int, int, str]]], calls: int = 1,
+                top: int = 12) -> dict[str, float]:
+  """The `top` kernels taking the most time in `gpu_kernels`' spans, {name (its first 80
+  characters): us per call and GPU}."""
   by_name: dict[str, float] = {}
-  for spans in gpus:
+  for spans in per_gpu:
     for start, end, name in spans:
-      by_name[name[:80]] = by_name.get(name[:80], 0.0) + end - start
+      by_name[name] = by_name.get(name, 0.0) + end - start
   most = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
-  return (sum(by_name.values()) * 1e-9 / len(gpus),
-          {k: round(v * 1e-3 / len(gpus), 3) for k, v in most})
+  return {k[:80]: round(v * 1e-3 / calls / len(per_gpu), 3) for k, v in most}
 
 
 def wall(fn, *args, reps: int = 7) -> float:

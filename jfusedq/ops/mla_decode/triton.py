@@ -65,19 +65,19 @@ def heuristics(tokens: int, heads: int, slots: int, device_kind: str | None = No
   Below: 32 heads a program and 32 slots a step in 4 warps, about two programs an SM, at
   least 128 slots a split: the fastest of the batched form's sweep at 256 slots."""
   if heads >= 64 and slots >= LONG_SLOTS:
-    programs = tokens * -(-heads // 64)
-    n = max(1, min(-(-_target.sm_count(device_kind) // programs), -(-slots // 64)))
+    n = splits(tokens, heads, slots, 64, device_kind, per_sm=1, min_slots=64)
     return Config(block_h=64, block_s=64 if slots >= 256 * n else 32, splits=n, num_warps=8,
                   flat=True)
   return Config(block_h=32, splits=splits(tokens, heads, slots, 32, device_kind), flat=True)
 
 
-def splits(tokens: int, heads: int, slots: int, block_h: int,
-           device_kind: str | None = None) -> int:
-  """The slot splits that give about two programs an SM at `block_h` heads a program, at
-  least 128 slots a split."""
+def splits(tokens: int, heads: int, slots: int, block_h: int, device_kind: str | None = None,
+           per_sm: int = 2, min_slots: int = 128) -> int:
+  """The slot splits that give about `per_sm` programs an SM at `block_h` heads a program, at
+  least `min_slots` slots a split."""
   programs = tokens * -(-heads // block_h)
-  return max(1, min(-(-2 * _target.sm_count(device_kind) // programs), -(-slots // 128)))
+  return max(1, min(-(-per_sm * _target.sm_count(device_kind) // programs),
+                    -(-slots // min_slots)))
 
 
 @_triton.jit
