@@ -243,7 +243,8 @@ SPECS["moe_gemm_mosaic"] = dataclasses.replace(
     "kernel (the default from 80 rows an expert) against Triton's, on an H100",
     default_impl="mosaic_gpu",
     summary=(("routed TFLOP/s", field("tflops", 1)), ("of roofline", field("roofline_frac")),
-             ("over Triton", lambda r, by: ratio(by.get("triton"), r))),
+             ("Mosaic GPU over Triton",
+              lambda r, by: ratio(by.get("triton"), by.get("mosaic_gpu")))),
     headline=())
 # The MLA kernel's flat form (one 2-D product a latent group) beside the grouped one at 128
 # heads (`mla_decode.py --sweep --contexts 4096 32768 --heads 128 --tag flat`).
