@@ -197,6 +197,10 @@ def mla_decode(q_lat, q_pe, kv, kv_scale, k_pe, pos, scale: float, config: Confi
   split = -(-slots // splits // bs) * bs
   splits = -(-slots // split)
   stand_in = jnp.zeros((1,), jnp.float32)  # no scales (a bf16 cache): never read
+  # The queries rounded to bf16 here, as the kernel would on loading them: half their bytes,
+  # and fewer of the kernel's registers (Triton 3.6's sm_90a build of the 64-head, 64-slot
+  # tiling spills 440 bytes a thread with f32 queries, 264 with bf16).
+  q_lat, q_pe = q_lat.astype(jnp.bfloat16), q_pe.astype(jnp.bfloat16)
   o, lse = _triton.call(
       mla_decode_kernel, q_lat, q_pe, kv, stand_in if kv_scale is None else kv_scale, k_pe,
       jnp.reshape(jnp.asarray(pos, jnp.int32), (1,)),
