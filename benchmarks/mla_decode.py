@@ -66,14 +66,13 @@ SWEEP = [(16, 32, 4, "batched"), (32, 32, 4, "batched"), (16, 32, 4, "flat"), (3
          (64, 32, 8, "dequant"), (64, 64, 8, "dequant")]
 
 
-def configs(b, nh, s, sweep, forms=mla_triton.FORMS):
-  """(name, config) pairs: the heuristic's pick, and with `sweep` the SWEEP tilings of
-  `forms`."""
+def configs(b, nh, s, sweep):
+  """(name, config) pairs: the heuristic's pick, and with `sweep` the SWEEP tilings."""
   h = mla_triton.heuristics(b, nh, s)
   out = [("heuristic", h)]
   if sweep:
     for bh, bs, w, form in SWEEP:
-      if bh > max(16, nh) or form not in forms:
+      if bh > max(16, nh):
         continue
       base = mla_triton.splits(b, nh, s, bh)
       for sp in dict.fromkeys((max(1, base // 2), base, min(2 * base, -(-s // bs)))):
@@ -92,8 +91,6 @@ def main():
   ap.add_argument("--heads", nargs="+", type=int, default=[128, 16])
   ap.add_argument("--caches", nargs="+", default=["fp8", "bf16"], choices=["fp8", "bf16"])
   ap.add_argument("--sweep", action="store_true", help="the kernel's configs around the pick")
-  ap.add_argument("--forms", nargs="+", default=list(mla_triton.FORMS),
-                  choices=mla_triton.FORMS, help="the sweep's forms (Config.form)")
   ap.add_argument("--calls", type=int, default=4, help="distinct input sets per timed jit")
   ap.add_argument("--tag", default="", help="results file mla_decode_<tag>.json")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, XLA only, on CPU")
@@ -120,8 +117,7 @@ def main():
           flops = 2 * b * nh * s * (2 * L + R)
           case = dict(cache=cache, heads=nh, batch=b, context=s)
           runs = [] if args.smoke else [("triton", n, c) for n, c in configs(b, nh, s,
-                                                                              args.sweep,
-                                                                              args.forms)]
+                                                                              args.sweep)]
           for impl, name, cfg in [*runs, ("xla", None, None)]:
             op = lambda *a, impl=impl, cfg=cfg: mla_decode(*a, pos=pos, scale=0.1,
                                                           implementation=impl, config=cfg)
