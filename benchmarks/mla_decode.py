@@ -58,12 +58,11 @@ def make_problem(b, nh, s, cache, seed):
   return make
 
 
-# The sweep's tilings besides the pick: (block_h, block_s, num_warps, form); each runs at the
+# The sweep's tilings besides the pick: (block_h, block_s, num_warps, flat); each runs at the
 # splits that give it about two programs an SM, at half and at twice those (a program loads its
 # heads' queries once: fewer splits read them fewer times).
-SWEEP = [(16, 32, 4, "batched"), (32, 32, 4, "batched"), (16, 32, 4, "flat"), (32, 32, 4, "flat"),
-         (64, 16, 8, "flat"), (64, 32, 8, "flat"), (64, 64, 8, "flat"),
-         (64, 32, 8, "dequant"), (64, 64, 8, "dequant")]
+SWEEP = [(16, 32, 4, False), (32, 32, 4, False), (16, 32, 4, True), (32, 32, 4, True),
+         (64, 16, 8, True), (64, 32, 8, True), (64, 64, 8, True)]
 
 
 def configs(b, nh, s, sweep):
@@ -71,12 +70,12 @@ def configs(b, nh, s, sweep):
   h = mla_triton.heuristics(b, nh, s)
   out = [("heuristic", h)]
   if sweep:
-    for bh, bs, w, form in SWEEP:
+    for bh, bs, w, flat in SWEEP:
       if bh > max(16, nh):
         continue
       base = mla_triton.splits(b, nh, s, bh)
       for sp in dict.fromkeys((max(1, base // 2), base, min(2 * base, -(-s // bs)))):
-        cfg = mla_triton.Config(block_h=bh, block_s=bs, num_warps=w, splits=sp, form=form)
+        cfg = mla_triton.Config(block_h=bh, block_s=bs, num_warps=w, splits=sp, flat=flat)
         if cfg != h:
           out.append((str(cfg), cfg))
   return out

@@ -198,11 +198,7 @@ def decode_ops(fmt):
                              None, k_pe[:, :300], pos=200, scale=0.1, implementation="triton"),
           lambda: mla_decode(q_lat, q_pe, lat.q, lat.scale, k_pe, pos=4000, scale=0.1,
                              implementation="triton", config=MlaConfig(
-                                 block_h=64, num_warps=8, splits=8, form="flat")),
-          lambda: mla_decode(q_lat, q_pe, lat.q, lat.scale, k_pe, pos=4000, scale=0.1,
-                             implementation="triton", config=MlaConfig(
-                                 block_h=64, block_s=64, num_warps=8, splits=8,
-                                 form="dequant"))]
+                                 block_h=64, num_warps=8, splits=8, flat=True))]
 
 
 @pytest.mark.lowering
@@ -211,11 +207,11 @@ def test_mla_decode_compiles_to_mma(monkeypatch, target):
   pytest.importorskip("triton")
   fmt = Fp8Format.e4m3fnuz() if target == "gfx942" else Fp8Format.e4m3fn()
   calls = recorded_calls(monkeypatch, target, decode_ops(fmt))
-  assert len(calls) == 4
+  assert len(calls) == 3
   for i, call in enumerate(calls):
     asm = compile_call(target, call).asm
     if target == "h200":
-      assert ("wgmma.mma_async" if i >= 2 else "mma") in asm["ptx"] and "bf16" in asm["ptx"]
+      assert ("wgmma.mma_async" if i == 2 else "mma") in asm["ptx"] and "bf16" in asm["ptx"]
     else:
       assert re.search(r"v_mfma_f32_\w+bf16", asm["amdgcn"])
 

@@ -1,28 +1,20 @@
-"""Triton kernels for MLA decode: split-K flash decoding over the latent cache as stored.
+"""Triton kernel for MLA decode: split-K flash decoding over the latent cache as stored.
 
 Grid (head blocks, splits, B x T), head blocks fastest, so the programs that read one split's
 cache blocks run together and share them in L2. A program holds BLOCK_H query heads of one
-token and walks its split's slots up to the token's position, BLOCK_S at a time, an online
-softmax over the blocks in f32, and writes its split's normalised output and log-sum-exp; XLA
-merges the splits. Three forms of the sums (`Config.form`):
+token and walks its split's slots up to the token's position, BLOCK_S at a time, the latent
+axis cut into its 1 x 128 scale groups g, the codes exact in bf16:
+  s      = (sum_g (q_lat_g . codes_g^T) scale_g + q_pe . k_pe^T) * scale   [BLOCK_H, BLOCK_S]
+  online softmax over the blocks; acc_g += (p scale_g) (bf16) . codes_g     [BLOCK_H, 128]
+in f32, and writes its split's normalised output and log-sum-exp; XLA merges the splits. No
+dequantised latent is formed: a per-slot scale applies after the score's dot and on the
+probabilities before the output's (a kernel that dequantised each [BLOCK_S, L] block in f32
+registers took 13x its bf16-cache time over a 32768-slot decode step on an H100). A bf16 cache
+(no scales) takes the same path with scale 1.
 
-  batched / flat (`mla_decode_kernel`): the latent axis cut into its 1 x 128 scale groups g,
-  the codes exact in bf16, a per-slot scale applied after the score's product and on the
-  probabilities before the output's:
-    s      = (sum_g (q_lat_g . codes_g^T) scale_g + q_pe . k_pe^T) * scale   [BLOCK_H, BLOCK_S]
-    acc_g += (p scale_g) (bf16) . codes_g                                       [BLOCK_H, 128]
-  batched holds the groups as a batch axis of 3-D products ([G, BLOCK_H, 128] tiles:
-  `mma.sync`); flat as a tuple of 2-D tiles, one product a group, which Hopper runs on wgmma
-  from 64 heads a program (8 warps: the two warpgroups split the columns).
-  dequant (`mla_decode_dequant_kernel`): each block's latent dequantised in registers and
-  rounded to bf16 in shared memory, one product over the whole latent for the scores and one
-  for the output:
-    s    = (q_lat . latent^T + q_pe . k_pe^T) * scale      acc += p (bf16) . latent
-  three wgmma a step instead of 2G + 1, the queries read from shared memory by the products,
-  and (Triton 3.6, sm_90a, 64 heads x 64 slots in 8 warps) no register spills, where flat
-  spills 264 bytes a thread.
-
-A bf16 cache (no scales) takes the same paths with scale 1.
+Two forms of the same sums (`Config.flat`): the groups as a batch axis of 3-D products
+([G, BLOCK_H, 128] tiles: `mma.sync`), or a tuple of 2-D tiles, one product a group, which
+Hopper runs on wgmma from 64 heads a program (8 warps: the two warpgroups split the columns).
 """
 
 from __future__ import annotations
@@ -38,21 +30,21 @@ from jfusedq.fp8 import BLOCK
 from jfusedq.ops import _common
 
 MIN_DOT = 16  # tl.dot's smallest M, N and K
-FORMS = ("batched", "flat", "dequant")
 LONG_SLOTS = 4096  # the heuristics' 64-head tiling from here (measured at 4096 and 32768)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
   """block_h query heads a program and block_s slots a step; splits of the slots (a grid
-  axis); form: how the products are cut (module docstring): "batched", "flat" or "dequant"."""
+  axis); flat: one 2-D product a latent group (Hopper's wgmma from 64 heads a program) instead
+  of the groups as a batch axis of 3-D products, the same sums on the exact codes."""
 
   block_h: int = 32
   block_s: int = 32
   splits: int = 1
   num_warps: int = 4
   num_stages: int = 2
-  form: str = "batched"
+  flat: bool = False
 
   def __post_init__(self):
     for f in ("block_h", "block_s"):
@@ -61,8 +53,6 @@ class Config:
         raise ValueError(f"Config.{f} must be a power of two >= {MIN_DOT}, got {v}")
     if self.splits < 1:
       raise ValueError(f"Config.splits must be >= 1, got {self.splits}")
-    if self.form not in FORMS:
-      raise ValueError(f"Config.form must be one of {FORMS}, got {self.form!r}")
 
 
 def heuristics(tokens: int, heads: int, slots: int, device_kind: str | None = None) -> Config:
@@ -77,8 +67,8 @@ def heuristics(tokens: int, heads: int, slots: int, device_kind: str | None = No
   if heads >= 64 and slots >= LONG_SLOTS:
     n = splits(tokens, heads, slots, 64, device_kind, per_sm=1, min_slots=64)
     return Config(block_h=64, block_s=64 if slots >= 256 * n else 32, splits=n, num_warps=8,
-                  form="flat")
-  return Config(block_h=32, splits=splits(tokens, heads, slots, 32, device_kind), form="flat")
+                  flat=True)
+  return Config(block_h=32, splits=splits(tokens, heads, slots, 32, device_kind), flat=True)
 
 
 def splits(tokens: int, heads: int, slots: int, block_h: int, device_kind: str | None = None,
@@ -198,65 +188,6 @@ def mla_decode_kernel(ql_ptr, qp_ptr, kv_ptr, ks_ptr, kp_ptr, pos_ptr, o_ptr, ls
   tl.store(lse_ptr + o_row, lse, mask=h_ok)
 
 
-@_triton.jit
-def mla_decode_dequant_kernel(ql_ptr, qp_ptr, kv_ptr, ks_ptr, kp_ptr, pos_ptr, o_ptr, lse_ptr,
-                              T: tl.constexpr, NH: tl.constexpr, S: tl.constexpr,
-                              L: tl.constexpr, R: tl.constexpr, GP: tl.constexpr,
-                              RP: tl.constexpr, SCALE: tl.constexpr, SPLIT: tl.constexpr,
-                              SPLITS: tl.constexpr, SCALED: tl.constexpr, GROUP: tl.constexpr,
-                              BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
-  G: tl.constexpr = (L + GROUP - 1) // GROUP
-  LP: tl.constexpr = GP * GROUP  # the latent padded to whole groups, a power of two of them
-  pid_h, pid_s, pid_bt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-  b = pid_bt // T
-  last = tl.load(pos_ptr) + pid_bt % T  # the token's position: slots 0 .. last are visible
-  start = pid_s * SPLIT
-  end = tl.minimum(tl.minimum(start + SPLIT, last + 1), S)
-
-  rh = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-  rl, rr, rg = tl.arange(0, LP), tl.arange(0, RP), tl.arange(0, GP)
-  h_ok, l_ok, r_ok, g_ok = rh < NH, rl < L, rr < R, rg < G
-  q_row = (pid_bt * NH + rh).to(tl.int64)
-  q_lat = tl.load(ql_ptr + q_row[:, None] * L + rl[None, :], mask=h_ok[:, None] & l_ok[None, :],
-                  other=0.0).to(tl.bfloat16)
-  q_pe = tl.load(qp_ptr + q_row[:, None] * R + rr[None, :], mask=h_ok[:, None] & r_ok[None, :],
-                 other=0.0).to(tl.bfloat16)
-  acc = tl.zeros([BLOCK_H, LP], tl.float32)
-  m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-  den = tl.zeros([BLOCK_H], tl.float32)
-  for s0 in range(start, end, BLOCK_S):
-    rs = s0 + tl.arange(0, BLOCK_S)
-    s_ok = rs < end
-    slot = (b * S + rs).to(tl.int64)
-    kp = tl.load(kp_ptr + slot[:, None] * R + rr[None, :], mask=s_ok[:, None] & r_ok[None, :],
-                 other=0.0).to(tl.bfloat16)
-    codes = tl.load(kv_ptr + slot[:, None] * L + rl[None, :],
-                    mask=s_ok[:, None] & l_ok[None, :], other=0.0)
-    if SCALED:
-      sc = tl.load(ks_ptr + slot[:, None] * G + rg[None, :], mask=s_ok[:, None] & g_ok[None, :],
-                   other=0.0)  # [BLOCK_S, GP]
-      lat = tl.reshape(codes.to(tl.float32), [BLOCK_S, GP, GROUP]) * sc[:, :, None]
-      lat = tl.reshape(lat, [BLOCK_S, LP]).to(tl.bfloat16)
-    else:
-      lat = codes.to(tl.bfloat16)
-    s = tl.dot(q_lat, tl.trans(lat)) + tl.dot(q_pe, tl.trans(kp))
-    s = tl.where(s_ok[None, :], s * SCALE, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(s - m_new[:, None])
-    den = den * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), lat)
-    m = m_new
-  # A split past the token's position ran no step: den 0, lse -inf, output 0 (weight 0).
-  seen = den > 0
-  d = tl.where(seen, den, 1.0)
-  lse = tl.where(seen, m + tl.log(d), float("-inf"))
-  o_row = ((pid_bt * SPLITS + pid_s) * NH + rh).to(tl.int64)
-  tl.store(o_ptr + o_row[:, None] * L + rl[None, :], acc / d[:, None],
-           mask=h_ok[:, None] & l_ok[None, :])
-  tl.store(lse_ptr + o_row, lse, mask=h_ok)
-
-
 def mla_decode(q_lat, q_pe, kv, kv_scale, k_pe, pos, scale: float, config: Config) -> jax.Array:
   """The api's call on the kernel: per-split outputs, merged by their log-sum-exp."""
   _triton.require()
@@ -270,10 +201,8 @@ def mla_decode(q_lat, q_pe, kv, kv_scale, k_pe, pos, scale: float, config: Confi
   # and fewer of the kernel's registers (Triton 3.6's sm_90a build of the 64-head, 64-slot
   # tiling spills 440 bytes a thread with f32 queries, 264 with bf16).
   q_lat, q_pe = q_lat.astype(jnp.bfloat16), q_pe.astype(jnp.bfloat16)
-  dequant = config.form == "dequant"
-  form = {} if dequant else dict(FLAT=config.form == "flat")
   o, lse = _triton.call(
-      mla_decode_dequant_kernel if dequant else mla_decode_kernel, q_lat, q_pe, kv, stand_in if kv_scale is None else kv_scale, k_pe,
+      mla_decode_kernel, q_lat, q_pe, kv, stand_in if kv_scale is None else kv_scale, k_pe,
       jnp.reshape(jnp.asarray(pos, jnp.int32), (1,)),
       out_shape=[jax.ShapeDtypeStruct((b * t, splits, nh, l), jnp.float32),
                  jax.ShapeDtypeStruct((b * t, splits, nh), jnp.float32)],
@@ -281,7 +210,8 @@ def mla_decode(q_lat, q_pe, kv, kv_scale, k_pe, pos, scale: float, config: Confi
       num_stages=config.num_stages, T=t, NH=nh, S=slots, L=l, R=r,
       GP=_common.pow2_ceil(-(-l // BLOCK)), RP=max(MIN_DOT, _common.pow2_ceil(r)),
       SCALE=float(scale), SPLIT=split, SPLITS=splits, SCALED=kv_scale is not None,
-      GROUP=BLOCK, BLOCK_H=config.block_h, BLOCK_S=bs, **form)
+      FLAT=config.flat, GROUP=BLOCK,
+      BLOCK_H=config.block_h, BLOCK_S=bs)
   if splits > 1:
     top = jnp.max(lse, axis=1, keepdims=True)  # split 0 holds slot 0: finite
     w = jnp.exp(lse - top)
