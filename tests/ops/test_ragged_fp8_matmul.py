@@ -301,13 +301,14 @@ def test_row_slots_point_into_the_owning_tile(align):
 # The interpreter runs the kernel's schedule as the GPU does; four SMs make every persistent
 # CTA walk a ragged count of tiles. Shapes the kernel builds (K % 128, N % block_n): T = 1;
 # blocks shared by several experts with empty ones between; all rows on one expert; rows past
-# the groups (zeros: expert E's weight rows lie past the array); 192-wide tiles in two chunks.
+# the groups (zeros: expert E's weight rows lie past the array); 192-wide tiles in three chunks
+# (the heuristic's, for the skewed case too).
 @pytest.mark.parametrize("route,m,e,n,k,config", [
     ("uniform", 1, 5, 128, 256, None),
     ("skewed", 200, 3, 192, 384, None),
     ("one_expert", 130, 4, 256, 256, MosaicConfig(128, stages=2)),
     ("tail", 300, 6, 320, 256, MosaicConfig(64, stages=2, persistent=True)),
-    ("uniform", 300, 5, 384, 384, MosaicConfig(192, stages=2, persistent=True, chunks=2)),
+    ("uniform", 300, 5, 384, 384, MosaicConfig(192, stages=2, persistent=True, chunks=3)),
 ], ids=str)
 @pytest.mark.parametrize("impl", [MOSAIC_GPU])
 def test_mosaic_gpu(monkeypatch, impl, route, m, e, n, k, config):
@@ -320,6 +321,26 @@ def test_mosaic_gpu(monkeypatch, impl, route, m, e, n, k, config):
   assert_close(got, reference.ragged_fp8_matmul(qa, qw, sw, sizes))
   if route == "tail":
     assert not np.any(np.asarray(got)[int(sizes.sum()):])
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("n", [64, 128, 192, 256, 384, 576, 2048, 7168])
+def test_mosaic_ragged_staging_rows_are_tma_aligned(n):
+  # A ragged tile stores its rows from any row of its staging, and TMA reads shared memory
+  # only from 128-byte boundaries: 96-column chunks of bf16 (192 bytes a row) faulted with
+  # CUDA_ERROR_MISALIGNED_ADDRESS on an H100. The heuristic never picks such chunks, and a
+  # config that would is refused before it reaches the GPU.
+  cfg = ragged_mosaic.heuristics(4096, n, 512, 8)
+  assert (cfg.block_n // cfg.chunks) * 2 % 128 == 0, cfg
+  S = jax.ShapeDtypeStruct
+  fp8 = jnp.float8_e4m3fn
+  args = (S((100, 256), fp8), S((100, 2), jnp.float32), S((2, 384, 256), fp8),
+          S((2, 3, 2), jnp.float32), S((2,), jnp.int32))
+  for bad in (MosaicConfig(192, chunks=2), MosaicConfig(64, chunks=2)):
+    fn = lambda q, sq, w, sw, g, bad=bad: ragged_fp8_matmul(
+        QuantizedActivation(q, sq), w, sw, g, config=bad, implementation="mosaic_gpu")
+    with pytest.raises(InputError, match="128 bytes"):
+      lower("h200", fn, *args)
 
 
 @pytest.mark.parametrize("impl", [MOSAIC_GPU])

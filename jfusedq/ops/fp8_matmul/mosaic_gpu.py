@@ -69,6 +69,7 @@ _TRANSFORMS = (plgpu.TilingTransform((ROW_TILE, BLOCK_K)), plgpu.SwizzleTransfor
 # address, while the stages of one operand sit back to back (a 16-byte box faulted with
 # CUDA_ERROR_MISALIGNED_ADDRESS on the H200); its 16-byte row stride needs KB % 4 == 0.
 SW_BOX = 16
+TMA_SMEM_ALIGN = 128  # bytes: where a TMA copy's shared-memory end may start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +259,11 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   kp = kb // cfg.splits  # K blocks per CTA
   staged = jnp.float32 if cfg.splits > 1 else stage_dtype
   cw = bn // cfg.chunks
+  if ragged and cw * jnp.dtype(staged).itemsize % TMA_SMEM_ALIGN:
+    raise InputError(f"{cfg}: a ragged tile stores its rows from any row of its staging, so a "
+                     f"staged row must be a multiple of {TMA_SMEM_ALIGN} bytes (TMA's shared "
+                     f"memory alignment); {cw} columns of {jnp.dtype(staged).name} are "
+                     f"{cw * jnp.dtype(staged).itemsize}: other chunks")
   # A warpgroup's accumulator chunks: (weight, its column chunk).
   parts = [(w, c) for w in range(nw) for c in range(cfg.chunks)]
   # Rows past M arrive as zeros and the stores clip them (TMA, as for the columns past N), so M
