@@ -120,7 +120,16 @@ def main():
           for impl, name, cfg in [*runs, ("xla", None, None)]:
             op = lambda *a, impl=impl, cfg=cfg: mla_decode(*a, pos=pos, scale=0.1,
                                                           implementation=impl, config=cfg)
-            err = rel_rms(op(*problem), want)
+            try:
+              err = rel_rms(op(*problem), want)
+            except jax.errors.JaxRuntimeError as e:
+              if name in (None, "heuristic"):
+                raise
+              # A swept tiling the device cannot run (shared memory): named, and the sweep
+              # goes on.
+              print(f"{str(case):>58} {name:>30} not run: {str(e).splitlines()[0][:120]}",
+                    flush=True)
+              continue
             t = _harness.measure(op, make, args.calls, chain=args.smoke)
             sec = t["kernel_s"] or t["chain_s"]
             rows.append(dict(
