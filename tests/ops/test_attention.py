@@ -79,8 +79,8 @@ def test_blocked_equals_reference(t, length, slots, block, heads, dtype, tol):
   want = attention(q, k, v, scale=0.3, prefix=prefix, implementation="xla")
   got = attention(q, k, v, scale=0.3, prefix=prefix, block=block, implementation="blocked")
   assert rel_rms(got, want) <= tol
-  # The default order on CPU is the blocked backend.
-  assert rel_rms(attention(q, k, v, scale=0.3, prefix=prefix, block=block), got) == 0
+  if jax.default_backend() == "cpu":  # the default order there is the blocked backend
+    assert rel_rms(attention(q, k, v, scale=0.3, prefix=prefix, block=block), got) == 0
 
 
 def test_traced_length():

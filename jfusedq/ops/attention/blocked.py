@@ -36,7 +36,9 @@ def attend(scale: float, block: int):
       m, l, acc = carry
       kb = lax.dynamic_slice_in_dim(k, j * size, size, axis=1)
       vb = lax.dynamic_slice_in_dim(v, j * size, size, axis=1)
-      sc = jnp.einsum("btgrd,bsgd->bgrts", qg, kb, preferred_element_type=jnp.float32) * scale
+      # f32 operands as f32, as the reference (XLA on a GPU would round them to TF32).
+      sc = jnp.einsum("btgrd,bsgd->bgrts", qg, kb, preferred_element_type=jnp.float32,
+                      precision=lax.Precision.HIGHEST) * scale
       cols = j * size + jnp.arange(size)
       mask = cols[None, :] < limit
       if causal:
@@ -48,7 +50,7 @@ def attend(scale: float, block: int):
       p = jnp.exp(sc - m_use[..., None])
       corr = jnp.exp(m - m_use)
       pv = jnp.einsum("bgrts,bsgd->bgrtd", p.astype(v.dtype), vb,
-                      preferred_element_type=jnp.float32)
+                      preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
       return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
     init = (jnp.full((b, hkv, r, t), -jnp.inf, jnp.float32), jnp.zeros((b, hkv, r, t),
