@@ -327,8 +327,8 @@ def test_mosaic_gpu(monkeypatch, impl, route, m, e, n, k, config):
 @pytest.mark.parametrize("n", [64, 128, 192, 256, 384, 576, 2048, 7168])
 def test_mosaic_ragged_staging_rows_are_tma_aligned(n):
   # A ragged tile stores its rows from any row of its staging, and TMA reads shared memory
-  # only from 128-byte boundaries: 96-column chunks of bf16 (192 bytes a row) faulted with
-  # CUDA_ERROR_MISALIGNED_ADDRESS on an H100. The heuristic never picks such chunks, and a
+  # only from 128-byte boundaries: the tests staging 96-column chunks of bf16 (192 bytes a
+  # row) faulted with CUDA_ERROR_MISALIGNED_ADDRESS on an H100. The heuristic never picks such chunks, and a
   # config that would is refused before it reaches the GPU.
   cfg = ragged_mosaic.heuristics(4096, n, 512, 8)
   assert (cfg.block_n // cfg.chunks) * 2 % 128 == 0, cfg

@@ -35,8 +35,8 @@ def heuristics(m: int, n: int, k: int, groups: int, out_dtype=jnp.bfloat16) -> C
   """The dense kernel's pick for the tiles a uniform routing fills (`tiles.max_tiles` row
   tiles), persistent and with K in one part (the ragged kernel takes no split); a 192-wide
   tile in three chunks: a tile's rows are stored from any row of its staging, which TMA reads
-  only from 128-byte boundaries (96-column chunks of bf16, 192 bytes a row, faulted with
-  CUDA_ERROR_MISALIGNED_ADDRESS on an H100)."""
+  only from 128-byte boundaries (the tests staging 96-column chunks of bf16, 192 bytes a row,
+  faulted with CUDA_ERROR_MISALIGNED_ADDRESS on an H100)."""
   rows = min(tiles.max_tiles(m, groups, BLOCK_M, ROW_TILE) * BLOCK_M, max(m, BLOCK_M))
   cfg = mosaic_gpu.heuristics(rows, n, k, out_dtype)
   return dataclasses.replace(cfg, persistent=True, splits=1,
