@@ -5,7 +5,9 @@ NH query heads (128: one device; 16: one of 8 tensor-parallel devices), latent L
 R = 64, the cache as the model stores it: `fp8` (e4m3 codes + one f32 scale a 1 x 128 group)
 or `bf16` (a bf16 kv_b_proj). Implementations:
   triton    the kernel at its heuristic's config; with --sweep also its neighbours (slots a
-            step, heads a program, warps), `config` naming each
+            step, heads a program, warps), with --vary FIELD=V1,V2 the pick with that Config
+            field changed (a tiling the device cannot build is named and skipped), `config`
+            naming each
   xla       the f32 reference (every slot scored, the cache dequantised to f32): the peer, and
             what each row is checked against
 bytes = the cache's visible slots (codes, scales, rope keys) + queries + the f32 output;
@@ -14,12 +16,14 @@ peak) / time, both measured in the run. The cache is fresh per call (a step read
 cache once), so L2 does not serve it across calls.
 
 Run: python benchmarks/mla_decode.py [--contexts 256 4096 32768] [--batches 1 16]
-     [--heads 128 16] [--caches fp8 bf16] [--sweep] [--out DIR] [--commit SHA] [--smoke]
+     [--heads 128 16] [--caches fp8 bf16] [--sweep | --vary num_stages=3,4 ...] [--out DIR]
+     [--commit SHA] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -65,11 +69,18 @@ SWEEP = [(16, 32, 4, False), (32, 32, 4, False), (16, 32, 4, True), (32, 32, 4, 
          (64, 16, 8, True), (64, 32, 8, True), (64, 64, 8, True)]
 
 
-def configs(b, nh, s, sweep):
-  """(name, config) pairs: the heuristic's pick, and with `sweep` the SWEEP tilings."""
+def configs(b, nh, s, sweep, vary=None):
+  """(name, config) pairs: the heuristic's pick, and with `sweep` the SWEEP tilings, or with
+  `vary` ({field: values}) the pick with one field changed at a time."""
   h = mla_triton.heuristics(b, nh, s)
   out = [("heuristic", h)]
-  if sweep:
+  if vary:
+    for field, values in vary.items():
+      for v in values:
+        cfg = dataclasses.replace(h, **{field: v})
+        if cfg != h:
+          out.append((str(cfg), cfg))
+  elif sweep:
     for bh, bs, w, flat in SWEEP:
       if bh > max(16, nh):
         continue
@@ -81,6 +92,13 @@ def configs(b, nh, s, sweep):
   return out
 
 
+def _value(text: str):
+  """A --vary value: an int, a bool, or the text itself."""
+  if text in ("True", "False"):
+    return text == "True"
+  return int(text) if text.lstrip("-").isdigit() else text
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -90,10 +108,14 @@ def main():
   ap.add_argument("--heads", nargs="+", type=int, default=[128, 16])
   ap.add_argument("--caches", nargs="+", default=["fp8", "bf16"], choices=["fp8", "bf16"])
   ap.add_argument("--sweep", action="store_true", help="the kernel's configs around the pick")
+  ap.add_argument("--vary", nargs="+", default=[], metavar="FIELD=V1,V2",
+                  help="the pick with one Config field changed, e.g. num_stages=3,4")
   ap.add_argument("--calls", type=int, default=4, help="distinct input sets per timed jit")
   ap.add_argument("--tag", default="", help="results file mla_decode_<tag>.json")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, XLA only, on CPU")
   args = ap.parse_args()
+  vary = {f: [_value(x) for x in vs.split(",")]
+          for f, vs in (item.split("=", 1) for item in args.vary)}
   contexts, batches, heads = ([40], [1], [4]) if args.smoke else (args.contexts, args.batches,
                                                                  args.heads)
   bw = runner.copy_tbps(0.05 if args.smoke else 2.0)
@@ -116,7 +138,8 @@ def main():
           flops = 2 * b * nh * s * (2 * L + R)
           case = dict(cache=cache, heads=nh, batch=b, context=s)
           runs = [] if args.smoke else [("triton", n, c) for n, c in configs(b, nh, s,
-                                                                              args.sweep)]
+                                                                              args.sweep,
+                                                                              vary)]
           for impl, name, cfg in [*runs, ("xla", None, None)]:
             op = lambda *a, impl=impl, cfg=cfg: mla_decode(*a, pos=pos, scale=0.1,
                                                           implementation=impl, config=cfg)
