@@ -323,24 +323,28 @@ def test_mosaic_gpu(monkeypatch, impl, route, m, e, n, k, config):
     assert not np.any(np.asarray(got)[int(sizes.sum()):])
 
 
-@pytest.mark.lowering
+# A ragged tile stores its rows from any row of its staging, and TMA reads shared memory only
+# from 128-byte boundaries: the tests staging 96-column chunks of bf16 (192 bytes a row) faulted
+# with CUDA_ERROR_MISALIGNED_ADDRESS on an H100. The heuristic never picks such chunks, and a
+# config that would is refused before it reaches the GPU.
 @pytest.mark.parametrize("n", [64, 128, 192, 256, 384, 576, 2048, 7168])
-def test_mosaic_ragged_staging_rows_are_tma_aligned(n):
-  # A ragged tile stores its rows from any row of its staging, and TMA reads shared memory
-  # only from 128-byte boundaries: the tests staging 96-column chunks of bf16 (192 bytes a
-  # row) faulted with CUDA_ERROR_MISALIGNED_ADDRESS on an H100. The heuristic never picks such chunks, and a
-  # config that would is refused before it reaches the GPU.
+def test_mosaic_ragged_heuristic_stages_aligned_rows(n):
   cfg = ragged_mosaic.heuristics(4096, n, 512, 8)
   assert (cfg.block_n // cfg.chunks) * 2 % 128 == 0, cfg
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("bad", [MosaicConfig(192, chunks=2), MosaicConfig(64, chunks=2)],
+                         ids=str)
+def test_mosaic_ragged_refuses_unaligned_staging(bad):
   S = jax.ShapeDtypeStruct
   fp8 = jnp.float8_e4m3fn
   args = (S((100, 256), fp8), S((100, 2), jnp.float32), S((2, 384, 256), fp8),
           S((2, 3, 2), jnp.float32), S((2,), jnp.int32))
-  for bad in (MosaicConfig(192, chunks=2), MosaicConfig(64, chunks=2)):
-    fn = lambda q, sq, w, sw, g, bad=bad: ragged_fp8_matmul(
-        QuantizedActivation(q, sq), w, sw, g, config=bad, implementation="mosaic_gpu")
-    with pytest.raises(InputError, match="128 bytes"):
-      lower("h200", fn, *args)
+  fn = lambda q, sq, w, sw, g: ragged_fp8_matmul(QuantizedActivation(q, sq), w, sw, g,
+                                                 config=bad, implementation="mosaic_gpu")
+  with pytest.raises(InputError, match="128 bytes"):
+    lower("h200", fn, *args)
 
 
 @pytest.mark.parametrize("impl", [MOSAIC_GPU])
