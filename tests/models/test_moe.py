@@ -63,3 +63,28 @@ def test_sorted_equals_gathered_and_drops_bad_ids(fp8):
   for g in (False, True):
     np.testing.assert_allclose(np.asarray(run(bad, g), np.float32), want, rtol=2.0**-7,
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens,want", [(1, "gathered"), (3, "gathered"), (4, "sorted")])
+def test_default_formulation_by_pairs_per_expert(monkeypatch, tokens, want):
+  # 16 experts, top 2: per-pair products below PAIRS_PER_EXPERT (0.5) pairs an expert, here
+  # 8 pairs (4 tokens); from there the sorted ragged products.
+  layer = Experts(16, 256, 128, fmt=Fp8Format.e4m3fn(), ue8m0=False, dtype=jnp.bfloat16,
+                  param_dtype=jnp.bfloat16, act="silu_mul", rngs=nnx.Rngs(3))
+  took = []
+
+  def recorded(name):
+    real = getattr(Experts, "_" + name)
+
+    def run(self, *args):
+      took.append(name)
+      return real(self, *args)
+    return run
+
+  for name in ("gathered", "sorted"):
+    monkeypatch.setattr(Experts, "_" + name, recorded(name))
+  r = np.random.default_rng(5)
+  x = jnp.asarray(r.standard_normal((tokens, 256)), jnp.bfloat16)
+  idx = jnp.asarray(np.stack([r.permutation(16)[:2] for _ in range(tokens)]), jnp.int32)
+  jax.eval_shape(lambda: layer(x, jnp.full((tokens, 2), 0.5, jnp.float32), idx))
+  assert took == [want]
