@@ -7,9 +7,8 @@ e(x) = down_e(act(gate_e(x), up_e(x))):
     y[m] = sum_j w[m, j] * e_{idx[m, j]}(x[m])                     (f32 sum, then dtype)
 
 Two formulations, picked at trace time by shape:
-  gathered  (FP8, M * k < PAIRS_PER_EXPERT * E: decode) a product per pair, each reading its
-            pair's expert in place (`grouped_fp8_matmul`); a step reads only the chosen
-            experts' weights.
+  gathered  (FP8, M * k < E: decode) a product per pair, each reading its pair's expert in
+            place (`grouped_fp8_matmul`); a step reads only the chosen experts' weights.
   sorted    (otherwise, and always in bf16) the M * k pairs sorted by expert (a stable argsort:
             ties keep token order), `group_sizes` counted by expert; gate, up and `act` in one
             kernel (`ragged_swiglu`: each pair's token row read in place, or on Mosaic GPU
@@ -35,12 +34,6 @@ from jfusedq.nn import StackedLinear, high_precision
 from jfusedq.ops import _common, _dispatch
 from jfusedq.ops.ragged_fp8_matmul import ragged_swiglu
 from jfusedq.ops.ragged_fp8_matmul.reference import swiglu
-
-
-# Pairs an expert on average below which a product per pair beats the sorted ragged product:
-# at DeepSeek-V3's 256 experts on the H200 the per-pair products led at one token and the
-# ragged product at 16 tokens, 0.5 pairs an expert (benchmarks/README.md); between, untimed.
-PAIRS_PER_EXPERT = 0.5
 
 
 class Experts(nnx.Module):
@@ -74,7 +67,7 @@ class Experts(nnx.Module):
     lead, k = weights.shape[:-1], weights.shape[-1]
     m = math.prod(lead)
     if gathered is None:
-      gathered = self.takes_fp8 and m * k < PAIRS_PER_EXPERT * self.num_experts
+      gathered = self.takes_fp8 and m * k < self.num_experts
     flat = x.flatten() if isinstance(x, QuantizedActivation) else x.reshape(m, x.shape[-1])
     ids = idx.reshape(m, k)
     y = (self._gathered(flat, ids) if gathered else self._sorted(flat, ids))  # [M, k, H]

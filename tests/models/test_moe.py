@@ -65,10 +65,10 @@ def test_sorted_equals_gathered_and_drops_bad_ids(fp8):
                                atol=1e-6)
 
 
-@pytest.mark.parametrize("tokens,want", [(1, "gathered"), (3, "gathered"), (4, "sorted")])
+@pytest.mark.parametrize("tokens,want", [(1, "gathered"), (7, "gathered"), (8, "sorted")])
 def test_default_formulation_by_pairs_per_expert(monkeypatch, tokens, want):
-  # 16 experts, top 2: per-pair products below PAIRS_PER_EXPERT (0.5) pairs an expert, here
-  # 8 pairs (4 tokens); from there the sorted ragged products.
+  # 16 experts, top 2: FP8 per-pair products below one pair an expert (16 pairs, 8 tokens),
+  # the sorted ragged products from there.
   layer = Experts(16, 256, 128, fmt=Fp8Format.e4m3fn(), ue8m0=False, dtype=jnp.bfloat16,
                   param_dtype=jnp.bfloat16, act="silu_mul", rngs=nnx.Rngs(3))
   took = []
