@@ -259,11 +259,12 @@ def fp8_matmul(qa: jax.Array, sa: jax.Array, a_layout: str, qw: jax.Array, sw: j
   kp = kb // cfg.splits  # K blocks per CTA
   staged = jnp.float32 if cfg.splits > 1 else stage_dtype
   cw = bn // cfg.chunks
-  if ragged and cw * jnp.dtype(staged).itemsize % TMA_SMEM_ALIGN:
+  row_bytes = cw * jnp.dtype(staged).itemsize
+  if ragged and row_bytes % TMA_SMEM_ALIGN:
     raise InputError(f"{cfg}: a ragged tile stores its rows from any row of its staging, so a "
                      f"staged row must be a multiple of {TMA_SMEM_ALIGN} bytes (TMA's shared "
                      f"memory alignment); {cw} columns of {jnp.dtype(staged).name} are "
-                     f"{cw * jnp.dtype(staged).itemsize}: other chunks")
+                     f"{row_bytes}: other chunks")
   # A warpgroup's accumulator chunks: (weight, its column chunk).
   parts = [(w, c) for w in range(nw) for c in range(cfg.chunks)]
   # Rows past M arrive as zeros and the stores clip them (TMA, as for the columns past N), so M
