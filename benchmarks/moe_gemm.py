@@ -19,8 +19,9 @@ Implementations:
   gathered  `grouped_fp8_matmul` with a product per pair (the decode path, up to 64 tokens)
   unfused   `gate_up` as separate steps: two Triton ragged products, the activation and
             `group_quant` in XLA
-  --tiles BM,BN,WARPS,STAGES ...: the Triton kernel at each of these tilings besides (impl
-            "triton BMxBN/WARPS/STAGES", no K split; gate_up takes BN = 128 only), to set
+  --tiles BM,BN,WARPS,STAGES[,SPLITS] ...: the Triton kernel at each of these tilings
+            besides (impl "triton BMxBN/WARPS/STAGES", "/kSPLITS" added with a K split; gate_up
+            takes BN = 128 and no split only), to set
             `triton.heuristics`; entries mosaic:BN,CHUNKS,STAGES[,BAND] the Mosaic GPU kernel,
             persistent (impl "mosaic_gpu BN/CHUNKSc/STAGESs/bBAND"; gate_up takes BN = 128,
             one chunk), to set `mosaic_gpu.heuristics`
@@ -169,8 +170,8 @@ SWIGLU_IMPLS = {"default": hidden(None), "triton": hidden("triton"),
 
 
 def tiled(proj: str, tiles: list[str]) -> dict:
-  """{"triton BMxBN/WARPS/STAGES" or "mosaic_gpu BN/Cc/Ss/bB": op} for each --tiles entry
-  `proj` can take."""
+  """{"triton BMxBN/WARPS/STAGES[/kSPLITS]" or "mosaic_gpu BN/Cc/Ss/bB": op} for each --tiles
+  entry `proj` can take."""
   ops = {}
   for spec in tiles:
     if spec.startswith("mosaic:"):
@@ -181,11 +182,12 @@ def tiled(proj: str, tiles: list[str]) -> dict:
       ops[f"mosaic_gpu {bn}/{chunks}c/{stages}s/b{band}"] = (
           hidden("mosaic_gpu", cfg) if proj == "gate_up" else product(cfg, "mosaic_gpu"))
       continue
-    bm, bn, warps, stages = map(int, spec.split(","))
-    if proj == "gate_up" and bn != 128:
+    bm, bn, warps, stages, splits = (list(map(int, spec.split(","))) + [1])[:5]
+    if proj == "gate_up" and (bn != 128 or splits != 1):
       continue
-    cfg = Config(bm, bn, 1, num_warps=warps, num_stages=stages)
-    ops[f"triton {bm}x{bn}/{warps}/{stages}"] = (hidden("triton", cfg) if proj == "gate_up"
+    cfg = Config(bm, bn, splits, num_warps=warps, num_stages=stages)
+    name = f"triton {bm}x{bn}/{warps}/{stages}" + (f"/k{splits}" if splits > 1 else "")
+    ops[name] = (hidden("triton", cfg) if proj == "gate_up"
                                                   else product(cfg))
   return ops
 
@@ -209,7 +211,7 @@ def main():
                   choices=["up", "down", "gate_up"])
   ap.add_argument("--impls", nargs="+", default=list(IMPLS) + ["unfused"],
                   choices=sorted(set(IMPLS) | set(SWIGLU_IMPLS)))
-  ap.add_argument("--tiles", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES",
+  ap.add_argument("--tiles", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES[,SPLITS]",
                   help="Triton (and mosaic:BN,CHUNKS,STAGES[,BAND] Mosaic GPU) tilings timed "
                   "besides the heuristic's")
   ap.add_argument("--xla-max", type=int, default=1024, help="time the XLA path up to T tokens")
@@ -256,8 +258,9 @@ def main():
             op = ops[impl]
             try:
               err = rel_rms(dequantized(op(*problem)), want)
-            except Exception as e:  # noqa: BLE001  (one implementation's failure: no row)
-              print(f"{impl} failed, no row: {type(e).__name__}: {str(e)[:500]}", flush=True)
+            except Exception as exc:  # noqa: BLE001  (one implementation's failure: no row)
+              print(f"{impl} failed, no row: {type(exc).__name__}: {str(exc)[:500]}",
+                    flush=True)
               continue
             tol = TOL_HIDDEN if proj == "gate_up" else 2.0**-8
             t_ = _harness.measure(op, make, args.calls, chain=args.smoke)
