@@ -6,7 +6,7 @@ R = 64, the cache as the model stores it: `fp8` (e4m3 codes + one f32 scale a 1 
 or `bf16` (a bf16 kv_b_proj). Implementations:
   triton    the kernel at its heuristic's config; with --sweep also its neighbours (slots a
             step, heads a program, warps), with --vary FIELD=V1,V2 the pick with that Config
-            field changed (a tiling the device cannot build is named and skipped), `config`
+            field changed (F1:F2=A1:A2,B1:B2: two fields together) (a tiling the device cannot build is named and skipped), `config`
             naming each
   xla       the f32 reference (every slot scored, the cache dequantised to f32): the peer, and
             what each row is checked against
@@ -71,13 +71,13 @@ SWEEP = [(16, 32, 4, False), (32, 32, 4, False), (16, 32, 4, True), (32, 32, 4, 
 
 def configs(b, nh, s, sweep, vary=None):
   """(name, config) pairs: the heuristic's pick, and with `sweep` the SWEEP tilings, or with
-  `vary` ({field: values}) the pick with one field changed at a time."""
+  `vary` ({fields: [values]}) the pick with those fields changed, one entry at a time."""
   h = mla_triton.heuristics(b, nh, s)
   out = [("heuristic", h)]
   if vary:
-    for field, values in vary.items():
+    for fields, values in vary.items():
       for v in values:
-        cfg = dataclasses.replace(h, **{field: v})
+        cfg = dataclasses.replace(h, **dict(zip(fields, v, strict=True)))
         if cfg != h:
           out.append((str(cfg), cfg))
   elif sweep:
@@ -109,12 +109,15 @@ def main():
   ap.add_argument("--caches", nargs="+", default=["fp8", "bf16"], choices=["fp8", "bf16"])
   ap.add_argument("--sweep", action="store_true", help="the kernel's configs around the pick")
   ap.add_argument("--vary", nargs="+", default=[], metavar="FIELD=V1,V2",
-                  help="the pick with one Config field changed, e.g. num_stages=3,4")
+                  help="the pick with one Config field changed, e.g. num_stages=3,4, or "
+                  "several together, e.g. block_s:num_stages=32:3,32:4")
   ap.add_argument("--calls", type=int, default=4, help="distinct input sets per timed jit")
   ap.add_argument("--tag", default="", help="results file mla_decode_<tag>.json")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, XLA only, on CPU")
   args = ap.parse_args()
-  vary = {f: [_value(x) for x in vs.split(",")]
+  # FIELD=V1,V2 changes one field; F1:F2=A1:A2,B1:B2 changes fields together (e.g.
+  # block_s:num_stages=32:3: a deeper pipeline where a wider step's stages would not fit).
+  vary = {tuple(f.split(":")): [tuple(_value(v) for v in x.split(":")) for x in vs.split(",")]
           for f, vs in (item.split("=", 1) for item in args.vary)}
   contexts, batches, heads = ([40], [1], [4]) if args.smoke else (args.contexts, args.batches,
                                                                  args.heads)
