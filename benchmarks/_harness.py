@@ -22,7 +22,7 @@ from models.run import chain_seconds, gpu_kernels, profile, top_kernels
 
 
 def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: bool = True,
-            hlo: bool = False, steady: int = 0) -> dict:
+            hlo: bool = False, steady: int = 0, donate: tuple[int, ...] = ()) -> dict:
   """Time `op` two ways on distinct input sets, every output kept.
 
   chain_s:  device seconds per call by the N / 2N slope of wall time (dispatch cancels;
@@ -48,22 +48,41 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
   graph_launches: XLA command buffers (CUDA graphs) executed per call, summed over the GPUs;
   a kernel outside them is launched by the host on its own. hlo=True adds the compiled N-call
   program's text (no extra compile).
+  donate: positions of `op`'s arguments the timed jit donates, as a serving loop donates a
+  decode step's cache: an array the op updates in place (and returns) is then not copied
+  first, which a kernel time over a non-donated cache would count (a whole-cache copy a step).
+  Each run then takes fresh sets from `make_inputs`, which must make new buffers for those
+  arguments; only with chain=False and steady=0 (both rerun one set).
   """
+  if donate and (chain or steady):
+    raise ValueError("measure: donated arguments are consumed by a run; chain and steady "
+                     "rerun the same inputs")
+
+  def join(kept, given):
+    """One set's arguments in `op`'s order from its kept and donated halves."""
+    kept, given, size = iter(kept), iter(given), len(kept) + len(given)
+    return [next(given) if i in donate else next(kept) for i in range(size)]
+
+  # Each set as its (kept, donated) halves: donate_argnums takes whole arguments.
+  args = lambda sets: ([[a for i, a in enumerate(s) if i not in donate] for s in sets],
+                       [[a for i, a in enumerate(s) if i in donate] for s in sets])
+  f = jax.jit(lambda kept, given: [op(*join(k, g)) for k, g in zip(kept, given)],
+              donate_argnums=(1,) if donate else ())
   sets = make_inputs(2 * n if chain else n)
-  f = jax.jit(lambda sets: [op(*s) for s in sets])
+  fresh = lambda: args(make_inputs(n) if donate else sets[:n])
   result = {"chain_s": None, "kernel_s": None, "kernels_per_call": None}
+  if hlo:  # before any run: a donated set's arrays are gone after it
+    result["hlo"] = f.lower(*args(sets[:n])).compile().as_text()
   if chain:
-    result["chain_s"] = chain_seconds(f, sets, n)
+    result["chain_s"] = chain_seconds(lambda sets: f(*args(sets)), sets, n)
   else:
-    jax.block_until_ready(f(sets[:n]))
-  if hlo:
-    result["hlo"] = f.lower(sets[:n]).compile().as_text()
-  data = profile(lambda: f(sets[:n]))
+    jax.block_until_ready(f(*args(sets[:n])))
+  data = profile(lambda: f(*fresh()))
   if steady:
     per, enqueue = [], []
     for _ in range(7):
       t0 = time.perf_counter()
-      outs = [f(sets[:n]) for _ in range(steady)]
+      outs = [f(*args(sets[:n])) for _ in range(steady)]
       t1 = time.perf_counter()
       jax.block_until_ready(outs)
       per.append((time.perf_counter() - t0) / steady / n)
@@ -71,7 +90,7 @@ def measure(op: Callable, make_inputs: Callable[[int], list], n: int, chain: boo
     burst = []
     for _ in range(7):
       t0 = time.perf_counter()
-      outs = [f(sets[:n]) for _ in range(2)]
+      outs = [f(*args(sets[:n])) for _ in range(2)]
       burst.append((time.perf_counter() - t0) / 2 / n)
       jax.block_until_ready(outs)
     result.update(steady_s=statistics.median(per), enqueue_s=statistics.median(enqueue),

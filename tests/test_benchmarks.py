@@ -46,6 +46,28 @@ def test_idle_gaps():
   assert idle_gaps([]) == {} and idle_gaps([(3, 9, "a")]) == {}
 
 
+def test_measure_updates_a_donated_argument_in_place():
+  """A donated argument (a decode step's cache) is aliased to the op's output, not copied
+  first; each run takes fresh sets; a timing that reruns one set refuses donation."""
+  import jax.numpy as jnp
+  sys.path.insert(0, str(BENCHMARKS))
+  from _harness import measure
+  made = []
+
+  def make(n):
+    made.append([(jnp.arange(4.0) + i, jnp.full((256,), float(i))) for i in range(n)])
+    return made[-1]
+
+  op = lambda a, cache: (a.sum(), cache.at[0].set(a[0]))
+  m = measure(op, make, 1, chain=False, hlo=True, donate=(1,))
+  assert "input_output_alias" in m["hlo"] and m["chain_s"] is None
+  assert len(made) == 2  # the warm-up's set, and a fresh one for the timed run
+  assert all(s[0][1].is_deleted() and not s[0][0].is_deleted() for s in made)
+  plain = measure(op, make, 1, chain=False, hlo=True)
+  assert "input_output_alias" not in plain["hlo"]
+  with pytest.raises(ValueError, match="donated"):
+    measure(op, make, 1, donate=(1,))
+
 def test_prefill_smoke(tmp_path):
   """--prefill on CPU: the rows and fields fp8_matmul_prefill.json holds; cuBLAS's column is
   skipped with its reason (no torch here, or no CUDA GPU)."""
