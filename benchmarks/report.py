@@ -261,6 +261,21 @@ SPECS["decode_moe_fused"] = dataclasses.replace(
 SPECS["prefill_moe"] = dataclasses.replace(
     SPECS["prefill"], title="Prefill at DeepSeek-V3's 256 experts (deepseek-v3-moe), FP8 fused, "
     "on an H100", headline=())
+# Per-pair against ragged products at decode token counts (`moe_gemm.py --models deepseek-v3
+# --tokens 1 16 --impls default gathered --tiles ...,2 ...,4 --tag switch`).
+SPECS["moe_gemm_switch"] = dataclasses.replace(
+    SPECS["moe_gemm"], title="MoE expert GEMMs at decode token counts over DeepSeek-V3's 256 "
+    "experts: the ragged products against the per-pair ones (gathered) and K splits of the "
+    "ragged decode tile, on an H100", headline=())
+# The MLA kernel's pick against deeper pipelines (`mla_decode.py --vary ... --tag vary`).
+SPECS["mla_decode_vary"] = dataclasses.replace(
+    SPECS["mla_decode_sweep"], title="MLA decode kernel: the pick against deeper pipelines, on "
+    "an H100 (`mla_decode.py --vary`)")
+# deepseek-v3-deep's step at a long context (`decode.py --presets deepseek-v3-deep --batches 1
+# --context 256 32768 --paths fused --tag context`).
+SPECS["decode_context"] = dataclasses.replace(
+    SPECS["decode"], title="Decode step of deepseek-v3-deep at 256 and 32768 cached tokens, FP8 "
+    "fused, on an H100", headline=())
 ORDER = list(SPECS)
 
 

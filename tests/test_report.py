@@ -20,16 +20,19 @@ def test_pages_are_current():
 
 
 # Results of a script's mode, named after the script and the mode.
-MODES = {"decode_moe_fused": "decode",  # --paths fused --tag moe_fused
+MODES = {"decode_context": "decode",  # --context 256 32768 --paths fused --tag context
+         "decode_moe_fused": "decode",  # --paths fused --tag moe_fused
          "fp8_matmul_prefill": "fp8_matmul",  # fp8_matmul.py --prefill
          "fp8_matmul_sweep_mosaic_gpu": "fp8_matmul",  # --sweep --sweep-impl mosaic_gpu
          # --sweep --sweep-impl mosaic_gpu --sweep-vary pingpong --tag pingpong
          "fp8_matmul_sweep_mosaic_gpu_pingpong": "fp8_matmul",
          "mla_decode_flat": "mla_decode",  # --sweep --heads 128 --tag flat
          "mla_decode_sweep": "mla_decode",  # --sweep --tag sweep
+         "mla_decode_vary": "mla_decode",  # --vary ... --tag vary
          "moe_gemm_mosaic": "moe_gemm",  # --impls triton mosaic_gpu --tag mosaic
          "moe_gemm_qwen_h100": "moe_gemm",  # --models qwen3.5 --tag qwen_h100
          "moe_gemm_swiglu_h100": "moe_gemm",  # --projs gate_up up --tiles ... --tag swiglu_h100
+         "moe_gemm_switch": "moe_gemm",  # --tokens 1 16 --impls default gathered --tag switch
          "prefill_h100": "prefill",  # --tag h100
          "prefill_moe": "prefill"}  # --presets deepseek-v3-moe --paths fused --tag moe
 
