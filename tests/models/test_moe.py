@@ -65,11 +65,13 @@ def test_sorted_equals_gathered_and_drops_bad_ids(fp8):
                                atol=1e-6)
 
 
-@pytest.mark.parametrize("tokens,want", [(1, "gathered"), (7, "gathered"), (8, "sorted")])
-def test_default_formulation_by_pairs_per_expert(monkeypatch, tokens, want):
-  # 16 experts, top 2: FP8 per-pair products below one pair an expert (16 pairs, 8 tokens),
-  # the sorted ragged products from there.
-  layer = Experts(16, 256, 128, fmt=Fp8Format.e4m3fn(), ue8m0=False, dtype=jnp.bfloat16,
+@pytest.mark.parametrize("experts,tokens,want", [
+    (16, 1, "gathered"), (16, 3, "gathered"), (16, 4, "sorted"), (4, 1, "gathered"),
+    (4, 2, "sorted")])
+def test_default_formulation_by_pairs_per_expert(monkeypatch, experts, tokens, want):
+  # Top 2: FP8 per-pair products below half a pair an expert (16 experts: 8 pairs, 4 tokens)
+  # and for one token at any expert count, the sorted ragged products otherwise.
+  layer = Experts(experts, 256, 128, fmt=Fp8Format.e4m3fn(), ue8m0=False, dtype=jnp.bfloat16,
                   param_dtype=jnp.bfloat16, act="silu_mul", rngs=nnx.Rngs(3))
   took = []
 
@@ -85,6 +87,6 @@ def test_default_formulation_by_pairs_per_expert(monkeypatch, tokens, want):
     monkeypatch.setattr(Experts, "_" + name, recorded(name))
   r = np.random.default_rng(5)
   x = jnp.asarray(r.standard_normal((tokens, 256)), jnp.bfloat16)
-  idx = jnp.asarray(np.stack([r.permutation(16)[:2] for _ in range(tokens)]), jnp.int32)
+  idx = jnp.asarray(np.stack([r.permutation(experts)[:2] for _ in range(tokens)]), jnp.int32)
   jax.eval_shape(lambda: layer(x, jnp.full((tokens, 2), 0.5, jnp.float32), idx))
   assert took == [want]
