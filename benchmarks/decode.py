@@ -215,7 +215,8 @@ def run_batch(args, preset, impl, b, context, built, kernel_paths, ref_paths, re
     # whole model, and its compile dominates the run.
     m = _harness.measure(step, make, 1, chain=False, hlo=True, donate=(1,))
     counts = kernel_counts(m["hlo"])
-    steady_s, enqueue_s, dispatch_s = serving(forward, params, model, b, context, tok0)
+    steady_s, enqueue_s, dispatch_s = serving(forward, params, model, b, context,
+                                              jax.device_put(tok0, where))
     sec = (not args.wall and m["kernel_s"]) or steady_s
     times[path] = sec
     diff = rel_rms(logits[path], logits["unfused"]) if "unfused" in logits else None

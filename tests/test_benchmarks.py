@@ -34,6 +34,18 @@ def test_smoke(name, tmp_path):
   assert doc["rows"] and all(row["correct"] for row in doc["rows"]), doc["rows"]
 
 
+def test_decode_smoke_under_tensor_parallelism(tmp_path):
+  """decode.py --tp 2 over simulated CPU devices: the serving loop's tokens on the model's mesh
+  (a token array off it failed the loop's first update), the timed step's donated cache
+  sharded."""
+  proc = subprocess.run(
+      [sys.executable, str(BENCHMARKS / "decode.py"), "--smoke", "--out", str(tmp_path),
+       "--batches", "1", "--tp", "2", "--presets", "deepseek-v3-tiny", "--paths", "fused"],
+      env=dict(os.environ), capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  doc = json.loads((tmp_path / "decode.json").read_text())
+  assert doc["rows"] and all(row["correct"] for row in doc["rows"]), doc["rows"]
+
 def test_idle_gaps():
   """Idle time counts only where no stream is busy, named by the kernels either side."""
   sys.path.insert(0, str(BENCHMARKS))
