@@ -6,8 +6,8 @@ R = 64, the cache as the model stores it: `fp8` (e4m3 codes + one f32 scale a 1 
 or `bf16` (a bf16 kv_b_proj). Implementations:
   triton    the kernel at its heuristic's config; with --sweep also its neighbours (slots a
             step, heads a program, warps), with --vary FIELD=V1,V2 the pick with that Config
-            field changed (F1:F2=A1:A2,B1:B2: two fields together) (a tiling the device cannot build is named and skipped), `config`
-            naming each
+            field changed, or F1:F2=A1:A2,B1:B2 two fields together (a tiling the device
+            cannot build is named and skipped), `config` naming each
   xla       the f32 reference (every slot scored, the cache dequantised to f32): the peer, and
             what each row is checked against
 bytes = the cache's visible slots (codes, scales, rope keys) + queries + the f32 output;

@@ -187,8 +187,7 @@ def tiled(proj: str, tiles: list[str]) -> dict:
       continue
     cfg = Config(bm, bn, splits, num_warps=warps, num_stages=stages)
     name = f"triton {bm}x{bn}/{warps}/{stages}" + (f"/k{splits}" if splits > 1 else "")
-    ops[name] = (hidden("triton", cfg) if proj == "gate_up"
-                                                  else product(cfg))
+    ops[name] = hidden("triton", cfg) if proj == "gate_up" else product(cfg)
   return ops
 
 

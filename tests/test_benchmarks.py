@@ -46,6 +46,7 @@ def test_decode_smoke_under_tensor_parallelism(tmp_path):
   doc = json.loads((tmp_path / "decode.json").read_text())
   assert doc["rows"] and all(row["correct"] for row in doc["rows"]), doc["rows"]
 
+
 def test_idle_gaps():
   """Idle time counts only where no stream is busy, named by the kernels either side."""
   sys.path.insert(0, str(BENCHMARKS))
@@ -79,6 +80,7 @@ def test_measure_updates_a_donated_argument_in_place():
   assert "input_output_alias" not in plain["hlo"]
   with pytest.raises(ValueError, match="donated"):
     measure(op, make, 1, donate=(1,))
+
 
 def test_prefill_smoke(tmp_path):
   """--prefill on CPU: the rows and fields fp8_matmul_prefill.json holds; cuBLAS's column is

@@ -7,7 +7,7 @@ e(x) = down_e(act(gate_e(x), up_e(x))):
     y[m] = sum_j w[m, j] * e_{idx[m, j]}(x[m])                     (f32 sum, then dtype)
 
 Two formulations, picked at trace time by shape:
-  gathered  (FP8, below half a pair an expert, M * k < E / 2, or one token: decode) a product
+  gathered  (FP8, M * k < PAIRS_PER_EXPERT * E, or one token: decode) a product
             per pair, each reading its pair's expert in place (`grouped_fp8_matmul`); a step
             reads only the chosen experts' weights.
   sorted    (otherwise, and always in bf16) the M * k pairs sorted by expert (a stable argsort:
@@ -35,6 +35,12 @@ from jfusedq.nn import StackedLinear, high_precision
 from jfusedq.ops import _common, _dispatch
 from jfusedq.ops.ragged_fp8_matmul import ragged_swiglu
 from jfusedq.ops.ragged_fp8_matmul.reference import swiglu
+
+# Pairs an expert on average below which a product per pair beats the sorted ragged products
+# (one token always runs per pair): at DeepSeek-V3's 256 experts on an H100 the ragged products
+# took 0.67-0.89x the per-pair ones' time over up + down at 16 tokens (0.5 an expert), and one
+# token's 8 pairs 1.01-1.08x (benchmarks/README.md); 2-15 tokens untimed.
+PAIRS_PER_EXPERT = 0.5
 
 
 class Experts(nnx.Module):
@@ -68,10 +74,7 @@ class Experts(nnx.Module):
     lead, k = weights.shape[:-1], weights.shape[-1]
     m = math.prod(lead)
     if gathered is None:
-      # At DeepSeek-V3's 256 experts on an H100 the ragged products took 0.67-0.89x the
-      # per-pair ones' time over up + down at 16 tokens (half a pair an expert), and one
-      # token's 8 pairs 1.01-1.08x.
-      gathered = self.takes_fp8 and (2 * m * k < self.num_experts or m == 1)
+      gathered = self.takes_fp8 and (m * k < PAIRS_PER_EXPERT * self.num_experts or m == 1)
     flat = x.flatten() if isinstance(x, QuantizedActivation) else x.reshape(m, x.shape[-1])
     ids = idx.reshape(m, k)
     y = (self._gathered(flat, ids) if gathered else self._sorted(flat, ids))  # [M, k, H]
